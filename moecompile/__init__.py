@@ -1,0 +1,26 @@
+"""moecompile: a compiler for Mixture-of-Experts training.
+
+A dense PyTorch model goes in; passes over a ``torch.fx`` graph turn its FFNs into
+routed experts; a training step comes out::
+
+    import moecompile as mc
+    result = mc.convert(model, mc.Plan.from_dict({"experts": {"num_experts": 8, "top_k": 2}}), (ids,))
+    print(result.report())
+"""
+
+# core: what passes build on
+from .errors import DistributedError, KernelError, MoecompileError, PassError, PlanError, TraceError
+from .meta import Role
+from .pass_manager import Options, PassContext, register_pass, register_verifier, registered_passes
+from .plan import Plan
+from .frontend import trace
+
+# driver: built on the passes
+from .convert import ConversionResult, convert
+
+__all__ = [
+    "ConversionResult", "DistributedError", "KernelError", "MoecompileError", "Options", "PassContext",
+    "PassError", "Plan", "PlanError", "Role", "TraceError", "convert", "register_pass", "register_verifier",
+    "registered_passes", "trace",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,135 @@
+"""The frontend: a dense ``nn.Module`` in, a ``torch.fx.GraphModule`` out.
+
+Default path: ``torch.export.export(strict=False)`` (ATen training IR), which traces
+Hugging Face models and keeps ``nn_module_stack`` on every node; the result is
+unlifted (``ExportedProgram.module()``) so parameters keep the dense model's names
+as ``get_attr`` targets. ``method="symbolic_trace"`` is the plain-module path.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from .errors import TraceError
+
+log = logging.getLogger(__name__)
+
+
+def example_kwargs_for(model: nn.Module, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """Add ``use_cache=False`` for models that take it: a KV cache is not a training input."""
+    kwargs = dict(kwargs or {})
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if "use_cache" in params and "use_cache" not in kwargs:
+        kwargs["use_cache"] = False
+    return kwargs
+
+
+def flat_inputs(args: tuple, kwargs: dict[str, Any]) -> list[Any]:
+    """The graph's placeholders, in order, for example inputs given as (args, kwargs)."""
+    return pytree.tree_leaves((tuple(args), dict(kwargs)))
+
+
+def trace(
+    model: nn.Module,
+    example_inputs: tuple,
+    example_kwargs: dict[str, Any] | None = None,
+    *,
+    method: Literal["export", "symbolic_trace"] = "export",
+    dynamic: bool = False,
+) -> fx.GraphModule:
+    """Trace ``model`` into a GraphModule that is called exactly like the model.
+
+    ``dynamic=True`` marks every dimension of every tensor input as dynamic
+    (``Dim.AUTO``), so the graph accepts other batch sizes and sequence lengths.
+    """
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"expected an nn.Module, got {type(model).__name__}; pass the model itself")
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    kwargs = example_kwargs_for(model, example_kwargs)
+    name = type(model).__name__
+    if method == "symbolic_trace":
+        try:
+            gm = fx.symbolic_trace(model)
+        except Exception as e:  # symbolic tracing fails in many user-specific ways
+            raise TraceError(
+                f"torch.fx.symbolic_trace could not trace {name}: {e}. Hint: data-dependent Python control "
+                "flow can't be traced symbolically; use method='export' (the default)."
+            ) from e
+        _propagate_example_meta(gm, flat_inputs(example_inputs, kwargs))
+        return gm
+    if method != "export":
+        raise TraceError(f"unknown trace method {method!r}; use 'export' or 'symbolic_trace'")
+
+    dynamic_shapes = None
+    if dynamic:
+        def spec(x: Any) -> Any:
+            return {i: torch.export.Dim.AUTO for i in range(x.dim())} if isinstance(x, torch.Tensor) else None
+
+        names = _positional_names(model, len(example_inputs))
+        dynamic_shapes = {n: spec(x) for n, x in zip(names, example_inputs)} | {k: spec(v) for k, v in kwargs.items()}
+    was_training = model.training
+    try:
+        exported = torch.export.export(model, tuple(example_inputs), kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+    except Exception as e:
+        raise TraceError(
+            f"torch.export could not trace {name}: {type(e).__name__}: {_first_line(e)}. "
+            f"Module: {_failing_module(e) or name}. Hint: make the forward free of data-dependent Python "
+            "control flow and non-tensor outputs torch.export can't flatten (disable caches: use_cache=False), "
+            "or try method='symbolic_trace' for a plain module."
+        ) from e
+    finally:
+        model.train(was_training)
+    # The graph is fixed to the mode it was traced in (dropout is baked in as an op), and
+    # ExportedProgram.module() refuses .train()/.eval(): trace in the mode you will run.
+    return exported.module()
+
+
+def _positional_names(model: nn.Module, n: int) -> list[str]:
+    params = [p for p in inspect.signature(model.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
+    return [p.name for p in params[:n]]
+
+
+def _propagate_example_meta(gm: fx.GraphModule, inputs: list[Any]) -> None:
+    from .shapes import propagate_fake
+
+    propagate_fake(gm, inputs)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else repr(e)
+
+
+def _failing_module(e: BaseException) -> str | None:
+    """Best effort: the innermost user module frame in the traceback."""
+    tb = e.__traceback__
+    found = None
+    while tb is not None:
+        self_obj = tb.tb_frame.f_locals.get("self")
+        if isinstance(self_obj, nn.Module) and tb.tb_frame.f_code.co_name == "forward":
+            found = type(self_obj).__name__
+        tb = tb.tb_next
+    return found
+
+
+def accept_missing_constant_kwargs(gm: fx.GraphModule, example_kwargs: dict[str, Any]) -> None:
+    """Let callers omit the non-tensor kwargs the trace fixed (``use_cache=False``), as with the model."""
+    constants = {k: v for k, v in example_kwargs.items() if not isinstance(v, torch.Tensor)}
+    if not constants:
+        return
+
+    def fill(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        return args, {**constants, **kwargs}
+
+    gm.register_forward_pre_hook(fill, prepend=True, with_kwargs=True)

@@ -1,0 +1,108 @@
+"""Plan section ``experts``: which FFNs become MoE layers and how they route."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Literal, Union
+
+from .section import Section, doc_field
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertsConfig(Section):
+    name = "experts"
+
+    num_experts: int = doc_field(8, "E, routed experts per MoE layer.")
+    top_k: int = doc_field(2, "k, experts each token is sent to.")
+    granularity: int = doc_field(
+        1,
+        "G: each dense FFN is split into G slices along its intermediate dimension "
+        "(fine-grained experts of size F/G); E and k must be multiples of G.",
+    )
+    shared_experts: int = doc_field(
+        0, "Always-on experts, each a full-width copy of the dense FFN, run beside the routed ones."
+    )
+    layers: Union[str, list] = doc_field(
+        "all", "'all', 'every:N' (FFN 0, N, 2N, ...), or a list of module paths / regexes (full match)."
+    )
+    score: Literal["softmax", "sigmoid"] = doc_field("softmax", "Router score function.")
+    normalize: bool = doc_field(True, "Renormalise the top-k weights to sum to 1 (needed for exact upcycling).")
+    capacity_factor: Union[float, None] = doc_field(
+        None, "Per-expert capacity as a multiple of T*k/E; null is dropless."
+    )
+    drop_policy: Literal["probs", "position"] = doc_field(
+        "probs", "Which tokens an expert over capacity keeps: highest weight, or earliest position."
+    )
+    aux_loss: Literal["none", "aux", "seq_aux"] = doc_field(
+        "none", "Load-balancing loss: Switch-style over the batch, or DeepSeek's per sequence."
+    )
+    aux_loss_coeff: float = doc_field(0.01, "Weight of the load-balancing loss.")
+    z_loss_coeff: float = doc_field(0.0, "Weight of the router z-loss (mean squared logsumexp of logits).")
+    expert_bias: bool = doc_field(
+        False, "Aux-loss-free balancing: a per-expert bias added to the scores for selection only."
+    )
+    seed: int = doc_field(0, "Seed of the router initialisation (with the layer name; the same on every rank).")
+    router_noise: float = doc_field(
+        0.0, "Std of noise added to upcycled router rows so experts can diverge; 0 keeps exact equivalence."
+    )
+
+    def validate(self) -> None:
+        E, k, G = self.num_experts, self.top_k, self.granularity
+        if E < 1:
+            self.fail("num_experts", "must be >= 1")
+        if k < 1 or k > E:
+            self.fail("top_k", f"must be between 1 and num_experts ({E})")
+        if G < 1:
+            self.fail("granularity", "must be >= 1")
+        if E % G:
+            self.fail("num_experts", f"must be a multiple of granularity ({G}): each dense FFN yields G slices")
+        if k % G:
+            self.fail("top_k", f"must be a multiple of granularity ({G}) so a token can take whole FFN copies")
+        if self.shared_experts < 0:
+            self.fail("shared_experts", "must be >= 0")
+        for coeff in ("aux_loss_coeff", "z_loss_coeff", "router_noise"):
+            if getattr(self, coeff) < 0:
+                self.fail(coeff, "must be >= 0")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            self.fail("capacity_factor", "must be > 0, or null for dropless")
+        if self.expert_bias and not self.normalize and self.score == "softmax":
+            self.fail(
+                "expert_bias",
+                "expert_bias with softmax scores needs normalize=true (the bias shifts selection only; "
+                "unnormalised softmax weights then no longer sum to one)",
+            )
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        layers = self.layers
+        if isinstance(layers, str):
+            if layers == "all":
+                return
+            m = re.fullmatch(r"every:(\d+)", layers)
+            if not m or int(m.group(1)) < 1:
+                self.fail("layers", "must be 'all', 'every:N' with N >= 1, or a list of module paths / regexes")
+            return
+        for pattern in layers:
+            if not isinstance(pattern, str):
+                self.fail("layers", f"list entries must be strings, got {pattern!r}")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                self.fail("layers", f"entry {pattern!r} is not a valid regex ({e})")
+
+    def selects(self, index: int, module_path: str) -> bool:
+        """Whether the FFN number ``index`` (in graph order) at ``module_path`` is converted."""
+        if self.layers == "all":
+            return True
+        if isinstance(self.layers, str):
+            return index % int(self.layers.split(":")[1]) == 0
+        return any(re.fullmatch(p, module_path) for p in self.layers)
+
+    def capacity(self, num_tokens: int) -> int:
+        """Rows per expert in capacity mode (0 = dropless)."""
+        if self.capacity_factor is None:
+            return 0
+        import math
+
+        return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))

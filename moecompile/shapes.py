@@ -1,0 +1,32 @@
+"""Fake-tensor shape propagation: every node's ``meta["val"]`` without running the model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._subclasses import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+
+class ShapePropError(RuntimeError):
+    def __init__(self, node: fx.Node, cause: BaseException):
+        self.node = node
+        super().__init__(f"{type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}")
+
+
+class _NodeNamingProp(FakeTensorProp):
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            return super().run_node(n)
+        except ShapePropError:
+            raise
+        except Exception as e:
+            raise ShapePropError(n, e) from e
+
+
+def propagate_fake(gm: fx.GraphModule, inputs: list[Any]) -> None:
+    """Fill ``meta["val"]`` on every node from the example inputs (real tensors are faked)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    _NodeNamingProp(gm, mode).propagate(*inputs)

@@ -1,0 +1,256 @@
+"""Pass ``upcycle``: replace each selected dense FFN with a routed MoE block.
+
+Before (one Llama MLP)::
+
+    linear(x, Wg) -> silu -> mul(., linear(x, Wu)) -> linear(., Wd) -> y
+
+After::
+
+    x_TH = view(x, [-1, H]);  logits_TE = linear(x_TH, router.weight)
+    weights_TK, idx_TK = moecompile.route(logits_TE, expert_bias, k, score, normalize)
+    x_NH, row_src_N, sizes_E, load_E = moecompile.permute(x_TH, idx_TK, weights_TK, E, capacity, policy)
+    h_NF = moecompile.glu(moecompile.grouped_mm(x_NH, experts.w_gate_up, sizes_E, None), "silu")
+    y_TH = moecompile.unpermute(moecompile.grouped_mm(h_NF, experts.w_down, sizes_E, None), row_src_N, weights_TK, T)
+    y = view_as(y_TH [+ shared_experts(x_TH)], x)
+
+Initialisation is sparse / granular upcycling: expert ``c*G + s`` holds slice ``s`` of
+the dense FFN (copy ``c``); router rows of a virtual group (G experts of one copy)
+start equal, so a token takes whole copies; down projections are scaled by
+``G / (1 + shared_experts)`` so the sum is exactly the dense FFN at init.
+Legend: T tokens, K top-k, E experts, H hidden, F intermediate, N permuted rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch.fx.traceback import annotate
+
+import moecompile.kernels  # noqa: F401  (registers torch.ops.moecompile.*)
+from moecompile.errors import PlanError
+from moecompile.graph import add_parameter, clean_path, delete_unused_attrs, get_attr_value, inline, trace_block
+from moecompile.meta import FFNInfo, MoEInfo, Role, moe, set_moe
+from moecompile.outputs import add_side_outputs
+from moecompile.pass_manager import PassContext, register_pass
+from moecompile.plan import ExpertsConfig
+
+aten, mc = torch.ops.aten, torch.ops.moecompile
+
+
+def _generator(seed: int, layer: str) -> torch.Generator:
+    """Same init on every rank and run: seeded by the plan seed and the layer's name."""
+    digest = hashlib.sha256(f"{seed}:{layer}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def _dense(gm: fx.GraphModule, info: FFNInfo, key: str, bias: bool = False) -> torch.Tensor | None:
+    """A dense FFN tensor in linear layout ([out, in] for weights)."""
+    name = (info["biases"] if bias else info["weights"]).get(key)
+    if name is None:
+        return None
+    t = get_attr_value(gm, name).detach()
+    return t.t() if (info["transposed"] and not bias) else t
+
+
+def expert_weights(gm: fx.GraphModule, info: FFNInfo, cfg: ExpertsConfig) -> dict[str, torch.Tensor]:
+    """Expert tensors by granular upcycling: expert c*G+s = slice s of copy c."""
+    E, G, S = cfg.num_experts, cfg.granularity, cfg.shared_experts
+    F = info["intermediate"]
+    if F % G:
+        raise PlanError("experts.granularity", G, f"must divide the intermediate size F={F} of the FFN it splits")
+    Fs, copies = F // G, E // G
+    glu = info["kind"] == "glu"
+    w_in_keys = ("gate", "up") if glu else ("up",)
+
+    def slices(t: torch.Tensor, dim: int) -> torch.Tensor:  # [G, ...] slices along the F dimension
+        return torch.stack(t.split(Fs, dim=dim))
+
+    w_in = torch.cat([slices(_dense(gm, info, k), 0) for k in w_in_keys], dim=1)  # [G, (2)Fs, H]
+    w_out = slices(_dense(gm, info, "down"), 1) * (G / (1 + S))  # [G, H, Fs]
+    out = {"w_in": w_in.repeat(copies, 1, 1), "w_out": w_out.repeat(copies, 1, 1)}
+    if any(_dense(gm, info, k, bias=True) is not None for k in (*w_in_keys, "down")):
+        b_in = torch.cat(
+            [slices(_bias_or_zero(gm, info, k, F), 0) for k in w_in_keys], dim=1
+        )  # [G, (2)Fs]
+        out["b_in"] = b_in.repeat(copies, 1)
+        out["b_out"] = (_bias_or_zero(gm, info, "down", info["hidden"]) / (1 + S)).expand(E, -1).contiguous()
+    if S:
+        full_in = torch.cat([_dense(gm, info, k) for k in w_in_keys], dim=0)  # [(2)F, H]
+        out["shared_w_in"] = full_in.expand(S, -1, -1).contiguous()
+        out["shared_w_out"] = (_dense(gm, info, "down") / (1 + S)).expand(S, -1, -1).contiguous()
+        if "b_in" in out:
+            out["shared_b_in"] = torch.cat([_bias_or_zero(gm, info, k, F) for k in w_in_keys]).expand(S, -1).contiguous()
+            out["shared_b_out"] = out["b_out"][:S].clone()
+    return out
+
+
+def _bias_or_zero(gm: fx.GraphModule, info: FFNInfo, key: str, size: int) -> torch.Tensor:
+    b = _dense(gm, info, key, bias=True)
+    return b if b is not None else torch.zeros(size, dtype=_dense(gm, info, "down").dtype)
+
+
+def router_weight(cfg: ExpertsConfig, hidden: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Virtual groups: the G experts of one FFN copy share a router row at init."""
+    copies = cfg.num_experts // cfg.granularity
+    rows = torch.randn(copies, hidden, generator=g) * hidden**-0.5
+    w = rows.repeat_interleave(cfg.granularity, dim=0)
+    if cfg.router_noise:
+        w = w + cfg.router_noise * torch.randn(w.shape, generator=g)
+    return w.to(dtype)
+
+
+_PARAM_NAMES = {
+    True: {"w_in": "experts.w_gate_up", "w_out": "experts.w_down", "b_in": "experts.b_gate_up", "b_out": "experts.b_down"},
+    False: {"w_in": "experts.w_up", "w_out": "experts.w_down", "b_in": "experts.b_up", "b_out": "experts.b_down"},
+}
+_ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu}
+
+
+def _register(gm: fx.GraphModule, layer: str, info: FFNInfo, cfg: ExpertsConfig, seed: int) -> dict[str, str]:
+    """Add the block's parameters under the FFN's own module path; returns key -> name."""
+    names = dict(_PARAM_NAMES[info["kind"] == "glu"])
+    names |= {f"shared_{k}": n.replace("experts.", "shared_experts.") for k, n in names.items()}
+    names |= {"router": "router.weight", "bias": "router.expert_bias"}
+    prefix = f"{layer}." if layer else ""
+    tensors = expert_weights(gm, info, cfg)
+    tensors["router"] = router_weight(cfg, info["hidden"], tensors["w_in"].dtype, _generator(seed, layer))
+    if cfg.expert_bias:
+        tensors["bias"] = torch.zeros(cfg.num_experts)
+    return {k: add_parameter(gm, prefix + names[k], t, requires_grad=k != "bias") for k, t in tensors.items()}
+
+
+def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, seq_len: int | None):
+    """The MoE computation as plain torch code; traced to ATen and inlined by the pass."""
+    E, k, S = cfg.num_experts, cfg.top_k, cfg.shared_experts
+
+    def expert_mlp(x, w_in, w_out, b_in, b_out, sizes):
+        with annotate({"role": "experts"}):
+            h = mc.grouped_mm(x, w_in, sizes, b_in)
+        with annotate({"role": "expert_act"}):
+            h = mc.glu(h, act) if glu else _ACT[act](h)
+        with annotate({"role": "experts"}):
+            return mc.grouped_mm(h, w_out, sizes, b_out)
+
+    def block(x, router, w_in, w_out, bias=None, b_in=None, b_out=None, shared_w_in=None, shared_w_out=None, shared_b_in=None, shared_b_out=None):
+        x_TH = x.reshape(-1, x.shape[-1])
+        with annotate({"role": "router"}):
+            logits_TE = F.linear(x_TH, router)
+        with annotate({"role": "route"}):
+            weights_TK, idx_TK = mc.route(logits_TE, bias, k, cfg.score, cfg.normalize)
+        with annotate({"role": "permute"}):
+            x_NH, row_src_N, sizes_E, load_E = mc.permute(x_TH, idx_TK, weights_TK, E, capacity, cfg.drop_policy)
+        y_NH = expert_mlp(x_NH, w_in, w_out, b_in, b_out, sizes_E)
+        with annotate({"role": "combine"}):
+            y_TH = mc.unpermute(y_NH, row_src_N, weights_TK, x_TH.shape[0])
+        if S:
+            with annotate({"role": "shared_experts"}):
+                y_TH = y_TH + _shared_mlp(x_TH, shared_w_in, shared_w_out, shared_b_in, shared_b_out, act, glu)
+        with annotate({"role": "router_loss"}):
+            side = router_losses(logits_TE, idx_TK, load_E, cfg, seq_len)
+        return y_TH.view(x.shape), {"load": load_E, **side}
+
+    return block
+
+
+def _shared_mlp(x_TH, w_in_SIH, w_out_SHF, b_in, b_out, act: str, glu: bool):
+    """All shared experts as two dense GEMMs: [T, H] -> [T, S, (2)F] -> [T, S*F] -> [T, H]."""
+    S, I, H = w_in_SIH.shape
+    h = F.linear(x_TH, w_in_SIH.reshape(S * I, H), None if b_in is None else b_in.reshape(-1))
+    h = h.view(-1, S, I)
+    h = mc.glu(h, act) if glu else _ACT[act](h)
+    w_out = w_out_SHF.permute(1, 0, 2).reshape(H, -1)
+    return F.linear(h.reshape(h.shape[0], -1), w_out, None if b_out is None else b_out.sum(0))
+
+
+def router_losses(logits_TE, idx_TK, load_E, cfg: ExpertsConfig, seq_len: int | None) -> dict:
+    """Unweighted router losses; the training step multiplies in the plan's coefficients."""
+    out = {}
+    logits = logits_TE.float()
+    if cfg.z_loss_coeff > 0:
+        out["z_loss"] = torch.logsumexp(logits, -1).square().mean()
+    if cfg.aux_loss == "none":
+        return out
+    E, k = cfg.num_experts, cfg.top_k
+    if cfg.score == "softmax":
+        probs_TE = logits.softmax(-1)
+    else:  # sigmoid scores normalised over experts (DeepSeek-V3)
+        sig = logits.sigmoid()
+        probs_TE = sig / sig.sum(-1, keepdim=True)
+    if cfg.aux_loss == "aux" or not seq_len:  # Switch: E * sum_e f_e P_e over the batch
+        f_E = load_E.float() / (idx_TK.shape[0] * k)
+        out["aux_loss"] = E * (f_E * probs_TE.mean(0)).sum()
+    else:  # seq_aux: the same per sequence, averaged over sequences
+        B = idx_TK.shape[0] // seq_len
+        counts_BE = torch.zeros(B, E, device=logits.device).scatter_add_(
+            1, idx_TK.reshape(B, -1), torch.ones(B, seq_len * k, device=logits.device)
+        )
+        f_BE = counts_BE / (seq_len * k)
+        out["aux_loss"] = E * (f_BE * probs_TE.view(B, seq_len, E).mean(1)).sum(-1).mean()
+    return out
+
+
+@register_pass("upcycle", after="find_ffn", requires=("ffn",), provides=("moe",))
+def upcycle(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    cfg = ctx.plan.experts
+    by_name = {n.name: n for n in gm.graph.nodes}
+    ffns = [n for n in gm.graph.nodes if "ffn" in n.meta.get("moe", {})]
+    converted = []
+    for out in ffns:
+        info: FFNInfo = moe(out)["ffn"]
+        layer = moe(out)["layer"]
+        if not cfg.selects(moe(out)["ffn_index"], layer):
+            continue
+        x = by_name[info["input"]]
+        x_val = x.meta["val"]
+        tokens = x_val.shape[:-1].numel()
+        capacity = cfg.capacity(int(tokens))
+        seq_len = int(x_val.shape[1]) if x_val.dim() == 3 else None
+        params = _register(gm, layer, info, cfg, ctx.plan.experts.seed)
+        values = {k: get_attr_value(gm, n) for k, n in params.items()}
+        block = trace_block(moe_block(cfg, info["act"], info["kind"] == "glu", capacity, seq_len),
+                            {"x": torch.zeros(x_val.shape, dtype=x_val.dtype), **values})
+        existing = set(gm.graph.nodes)
+        with gm.graph.inserting_before(out):
+            attrs = [gm.graph.get_attr(n) for n in params.values()]
+        y, side = inline(gm.graph, block, [x, *attrs], anchor=out)
+        _stamp([n for n in gm.graph.nodes if n not in existing], out, layer)
+        out.replace_all_uses_with(y)
+        _erase_ffn(gm, info, by_name)
+        add_side_outputs(gm, layer, side)
+        moe_info = MoEInfo(
+            num_experts=cfg.num_experts, top_k=cfg.top_k, granularity=cfg.granularity, shared_experts=cfg.shared_experts,
+            act=info["act"], glu=info["kind"] == "glu", params=params, nodes={}, expert_range=(0, cfg.num_experts),
+        )
+        set_moe(y, layer=layer, role=Role.COMBINE, moe=moe_info)
+        converted.append(layer)
+        ctx.decide(
+            f"{layer}: {info['kind']} FFN -> {cfg.num_experts} experts top-{cfg.top_k} (G={cfg.granularity}, "
+            f"shared={cfg.shared_experts}, {'dropless' if not capacity else f'capacity {capacity}'})"
+        )
+    ctx.record(layers=converted)
+    return gm
+
+
+def _stamp(new_nodes: list[fx.Node], origin: fx.Node, layer: str) -> None:
+    """Every node the block added gets the layer, its annotated role, and the FFN's provenance."""
+    stack = {k: v for k, v in origin.meta.get("nn_module_stack", {}).items() if layer.startswith(clean_path(v[0]))}
+    for n in new_nodes:
+        role = n.meta.pop("custom", {}).get("role")
+        n.meta["moe"] = {"layer": layer, **({"role": Role(role)} if role else {})}
+        n.meta["nn_module_stack"] = dict(stack)
+        if "stack_trace" in origin.meta:
+            n.meta["stack_trace"] = origin.meta["stack_trace"]
+
+
+def _erase_ffn(gm: fx.GraphModule, info: FFNInfo, by_name: dict[str, fx.Node]) -> None:
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    nodes = sorted((by_name[n] for n in info["nodes"]), key=order.__getitem__)
+    params = list(info["weights"].values()) + list(info["biases"].values())
+    attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in params]
+    for n in [*reversed(nodes), *attrs]:  # users before what they use
+        if not n.users:
+            gm.graph.erase_node(n)
+    delete_unused_attrs(gm, params)
