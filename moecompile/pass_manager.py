@@ -51,7 +51,7 @@ _REGISTRY: dict[str, PassSpec] = {}
 _VERIFIERS: dict[str, list[Verifier]] = {}
 
 # The built-in pipeline, in order; user passes slot in with after= / before=.
-PIPELINE: list[str] = ["find_ffn", "upcycle"]
+PIPELINE: list[str] = ["find_ffn", "upcycle", "expert_parallel", "overlap", "fp8", "recompute"]
 
 
 def _as_tuple(x: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -146,8 +146,8 @@ def resolve_order(extra: Iterable[str | PassFn] = ()) -> list[PassSpec]:
     rank = {s.name: i for i, s in enumerate(specs)}
     g = nx.DiGraph()
     g.add_nodes_from(names)
-    g.add_edges_from(zip(PIPELINE, PIPELINE[1:]))
-    g.remove_nodes_from([n for n in list(g) if n not in names])
+    builtin = [n for n in PIPELINE if n in names]
+    g.add_edges_from(zip(builtin, builtin[1:]))
     for s in specs:
         g.add_edges_from((a, s.name) for a in s.after if a in names)
         g.add_edges_from((s.name, b) for b in s.before if b in names)

@@ -1,0 +1,5 @@
+import sys
+
+from moecompile.cli import main
+
+sys.exit(main())

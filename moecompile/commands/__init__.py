@@ -1,0 +1,1 @@
+"""One module per ``moecompile`` subcommand (see ``moecompile/cli.py``)."""
