@@ -1,0 +1,169 @@
+"""`moecompile::grouped_mm` — one matmul per expert over its contiguous block of rows.
+
+Legend: N permuted rows, E experts, I in features, O out features.
+
+    x_NI rows [0, 2) -> expert 0, [2, 5) -> expert 1       (group_sizes_E = [2, 3])
+    y_NO[0:2] = x_NI[0:2] @ w_EOI[0].T (+ bias_EO[0])
+    y_NO[2:5] = x_NI[2:5] @ w_EOI[1].T (+ bias_EO[1])
+
+Weights are [E, O, I] like nn.Linear, so a dense FFN's weights stack straight in.
+No Python loop over experts and no host sync: sizes stay on the device.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# dtypes torch._grouped_mm accepts on CPU; anything else (float64) takes the gather path.
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check(x_NI: Tensor, w_EOI: Tensor, group_sizes_E: Tensor, bias_EO: Optional[Tensor]) -> None:
+    if x_NI.dim() != 2 or w_EOI.dim() != 3 or group_sizes_E.dim() != 1:
+        raise ValueError(
+            f"grouped_mm: need x_NI [N, I], w_EOI [E, O, I], group_sizes_E [E], got shapes "
+            f"{tuple(x_NI.shape)}, {tuple(w_EOI.shape)}, {tuple(group_sizes_E.shape)}"
+        )
+    E, O, I = w_EOI.shape
+    if x_NI.shape[1] != I or group_sizes_E.shape[0] != E:
+        raise ValueError(
+            f"grouped_mm: x_NI {tuple(x_NI.shape)}, w_EOI {tuple(w_EOI.shape)} and group_sizes_E "
+            f"{tuple(group_sizes_E.shape)} disagree on I or E"
+        )
+    if x_NI.dtype != w_EOI.dtype or (bias_EO is not None and bias_EO.dtype != x_NI.dtype):
+        bias_dtype = None if bias_EO is None else bias_EO.dtype
+        raise ValueError(
+            f"grouped_mm: dtypes differ: x {x_NI.dtype}, w {w_EOI.dtype}, bias {bias_dtype}"
+        )
+    if group_sizes_E.dtype.is_floating_point or group_sizes_E.dtype == torch.bool:
+        raise ValueError(f"grouped_mm: group_sizes_E must be integer, got {group_sizes_E.dtype}")
+    if bias_EO is not None and tuple(bias_EO.shape) != (E, O):
+        raise ValueError(f"grouped_mm: bias_EO must have shape ({E}, {O}), got {tuple(bias_EO.shape)}")
+
+
+def _expert_of_row(group_sizes_E: Tensor, N: int) -> Tensor:
+    experts_E = torch.arange(group_sizes_E.shape[0], device=group_sizes_E.device)
+    return torch.repeat_interleave(experts_E, group_sizes_E, output_size=N)
+
+
+def _pad_to(t: Tensor, dim: int, multiple: int) -> Tensor:
+    extra = -t.shape[dim] % multiple
+    if extra == 0:
+        return t.contiguous()
+    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, extra]
+    return torch.nn.functional.pad(t, pad).contiguous()
+
+
+def _align(dtype: torch.dtype) -> int:
+    # torch._grouped_mm wants every non-unit stride a multiple of 16 bytes; zero
+    # padding of the feature dims satisfies that and leaves the products exact.
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def _grouped_nt(a_NA: Tensor, b_EBA: Tensor, group_sizes_E: Tensor) -> Tensor:
+    """out_NB[rows of e] = a_NA[rows of e] @ b_EBA[e].T"""
+    N = a_NA.shape[0]
+    if a_NA.dtype in _GROUPED_MM_DTYPES:
+        m = _align(a_NA.dtype)
+        offs_E = torch.cumsum(group_sizes_E, 0, dtype=torch.int32)
+        a_NA, b_EBA = _pad_to(a_NA, 1, m), _pad_to(b_EBA, 2, m)
+        # an unaligned B comes back with padded row stride; hand out a dense tensor
+        return torch._grouped_mm(a_NA, b_EBA.transpose(-2, -1), offs_E).contiguous()
+    return torch.einsum("na,nba->nb", a_NA, b_EBA[_expert_of_row(group_sizes_E, N)])
+
+
+def _grouped_tn(a_NA: Tensor, b_NB: Tensor, group_sizes_E: Tensor) -> Tensor:
+    """out_EAB[e] = a_NA[rows of e].T @ b_NB[rows of e]; zero for empty groups."""
+    (N, A), B, E = a_NA.shape, b_NB.shape[1], group_sizes_E.shape[0]
+    if a_NA.dtype in _GROUPED_MM_DTYPES:
+        m = _align(a_NA.dtype)
+        offs_E = torch.cumsum(group_sizes_E, 0, dtype=torch.int32)
+        a_NA, b_NB = _pad_to(a_NA, 1, m), _pad_to(b_NB, 1, m)
+        out_EAB = torch._grouped_mm(a_NA.t(), b_NB, offs_E)
+        return out_EAB[:, :A, :B].contiguous()
+    outer_NAB = a_NA.unsqueeze(2) * b_NB.unsqueeze(1)
+    return a_NA.new_zeros((E, A, B)).index_add_(0, _expert_of_row(group_sizes_E, N), outer_NAB)
+
+
+def _segment_sum(v_NO: Tensor, group_sizes_E: Tensor) -> Tensor:
+    E, N = group_sizes_E.shape[0], v_NO.shape[0]
+    sums_EO = v_NO.new_zeros((E, v_NO.shape[1]), dtype=torch.promote_types(v_NO.dtype, torch.float32))
+    return sums_EO.index_add_(0, _expert_of_row(group_sizes_E, N), v_NO.to(sums_EO.dtype)).to(v_NO.dtype)
+
+
+def grouped_mm_ref(
+    x_NI: Tensor, w_EOI: Tensor, group_sizes_E: Tensor, bias_EO: Optional[Tensor]
+) -> Tensor:
+    """Pure-torch grouped matmul: the CPU implementation and the test oracle."""
+    _check(x_NI, w_EOI, group_sizes_E, bias_EO)
+    N = x_NI.shape[0]
+    if group_sizes_E.device.type == "cpu":  # free to check here; on a GPU it would sync
+        if int(group_sizes_E.sum()) != N or bool((group_sizes_E < 0).any()):
+            raise ValueError(
+                f"grouped_mm: group_sizes_E must be >= 0 and sum to N={N}, got {group_sizes_E.tolist()}"
+            )
+    y_NO = _grouped_nt(x_NI, w_EOI, group_sizes_E)
+    if bias_EO is not None:
+        y_NO = y_NO + bias_EO[_expert_of_row(group_sizes_E, N)]
+    return y_NO
+
+
+@torch.library.custom_op("moecompile::grouped_mm", mutates_args=())
+def _grouped_mm_op(
+    x_NI: Tensor, w_EOI: Tensor, group_sizes_E: Tensor, bias_EO: Optional[Tensor]
+) -> Tensor:
+    return grouped_mm_ref(x_NI, w_EOI, group_sizes_E, bias_EO)
+
+
+@_grouped_mm_op.register_fake
+def _grouped_mm_fake(x_NI, w_EOI, group_sizes_E, bias_EO):
+    _check(x_NI, w_EOI, group_sizes_E, bias_EO)
+    return x_NI.new_empty((x_NI.shape[0], w_EOI.shape[1]))
+
+
+@torch.library.custom_op("moecompile::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad_op(grad_y_NO: Tensor, x_NI: Tensor, group_sizes_E: Tensor) -> Tensor:
+    """dw_EOI[e] = grad_y_NO[rows of e].T @ x_NI[rows of e] (zero for empty groups).
+
+    An op of its own, not inline torch._grouped_mm: ATen's meta kernel for that
+    accepts only bfloat16, so a traced backward (torch.compile, export) would
+    fail in float32, and a device backend can swap in its own kernel here.
+    """
+    return _grouped_tn(grad_y_NO.contiguous(), x_NI, group_sizes_E)
+
+
+@_grouped_mm_wgrad_op.register_fake
+def _grouped_mm_wgrad_fake(grad_y_NO, x_NI, group_sizes_E):
+    return x_NI.new_empty((group_sizes_E.shape[0], grad_y_NO.shape[1], x_NI.shape[1]))
+
+
+def _setup_context(ctx, inputs, output):
+    x_NI, w_EOI, group_sizes_E, bias_EO = inputs
+    ctx.save_for_backward(x_NI, w_EOI, group_sizes_E)
+    ctx.has_bias = bias_EO is not None
+
+
+def _backward(ctx, grad_y_NO):
+    """dx = dy @ w[e] (the forward op on w^T), dw[e] = dy[rows]^T x[rows], db[e] = sum of dy[rows]."""
+    x_NI, w_EOI, group_sizes_E = ctx.saved_tensors
+    # y.sum() hands back a stride-0 grad, which torch._grouped_mm rejects.
+    grad_y_NO = grad_y_NO.contiguous()
+    need_x, need_w, _, need_b = ctx.needs_input_grad
+    dx = dw = db = None
+    if need_x:
+        dx = torch.ops.moecompile.grouped_mm(grad_y_NO, w_EOI.transpose(1, 2), group_sizes_E, None)
+    if need_w:
+        dw = torch.ops.moecompile.grouped_mm_wgrad(grad_y_NO, x_NI, group_sizes_E)
+    if need_b and ctx.has_bias:
+        db = _segment_sum(grad_y_NO, group_sizes_E)
+    return dx, dw, None, db
+
+
+_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def grouped_mm(
+    x_NI: Tensor, w_EOI: Tensor, group_sizes_E: Tensor, bias_EO: Optional[Tensor] = None
+) -> Tensor:
+    """Expert matmul over expert-sorted rows (from `permute`): y_NO, same dtype as x."""
+    return torch.ops.moecompile.grouped_mm(x_NI, w_EOI, group_sizes_E, bias_EO)

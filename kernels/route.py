@@ -1,0 +1,116 @@
+"""`moecompile::route` — pick the top-k experts per token and their gate weights.
+
+Legend: T tokens, E experts, K top-k.
+
+    logits_TE ──route(k=2, "softmax", normalize=False)──▶ weights_TK,     idx_TK
+    [[2., 0., 1.]]                                        [[.665, .245]], [[0, 2]]
+
+The bias (DeepSeek-V3 aux-loss-free balancing) shifts which experts are
+*selected* but not the weights, so balancing never leaks into the gradient.
+"""
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+SCORES = ("softmax", "sigmoid")
+# Only sigmoid scores can all be ~0 in a row; softmax rows always sum > 0.
+_SIGMOID_EPS = 1e-20
+
+
+def _check(logits_TE: Tensor, bias_E: Optional[Tensor], k: int, score: str) -> None:
+    if logits_TE.dim() != 2:
+        raise ValueError(f"route: logits_TE must be 2-D [T, E], got shape {tuple(logits_TE.shape)}")
+    if not logits_TE.dtype.is_floating_point:
+        raise ValueError(f"route: logits_TE must be floating point, got {logits_TE.dtype}")
+    E = logits_TE.shape[1]
+    if not 1 <= k <= E:
+        raise ValueError(f"route: need 1 <= k <= num_experts, got k={k}, num_experts={E}")
+    if score not in SCORES:
+        raise ValueError(f"route: score must be one of {SCORES}, got {score!r}")
+    if bias_E is not None and tuple(bias_E.shape) != (E,):
+        raise ValueError(f"route: bias_E must have shape ({E},), got {tuple(bias_E.shape)}")
+
+
+def _dtype(logits_TE: Tensor) -> torch.dtype:
+    return torch.promote_types(logits_TE.dtype, torch.float32)
+
+
+def _scores(logits_TE: Tensor, score: str) -> Tensor:
+    logits_TE = logits_TE.to(_dtype(logits_TE))
+    return logits_TE.softmax(-1) if score == "softmax" else logits_TE.sigmoid()
+
+
+def route_ref(
+    logits_TE: Tensor, bias_E: Optional[Tensor], k: int, score: str, normalize: bool
+) -> tuple[Tensor, Tensor]:
+    """Pure-torch router: the CPU implementation and the test oracle."""
+    _check(logits_TE, bias_E, k, score)
+    scores_TE = _scores(logits_TE, score)
+    choice_TE = scores_TE if bias_E is None else scores_TE + bias_E.to(scores_TE.dtype)
+    idx_TK = choice_TE.topk(k, dim=-1, sorted=True).indices
+    weights_TK = scores_TE.gather(-1, idx_TK)
+    if normalize:
+        eps = _SIGMOID_EPS if score == "sigmoid" else 0.0
+        weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + eps)
+    return weights_TK, idx_TK
+
+
+@torch.library.custom_op("moecompile::route", mutates_args=())
+def _route_op(
+    logits_TE: Tensor, bias_E: Optional[Tensor], k: int, score: str, normalize: bool
+) -> tuple[Tensor, Tensor]:
+    return route_ref(logits_TE, bias_E, k, score, normalize)
+
+
+@_route_op.register_fake
+def _route_fake(logits_TE, bias_E, k, score, normalize):
+    _check(logits_TE, bias_E, k, score)
+    T = logits_TE.shape[0]
+    weights_TK = logits_TE.new_empty((T, k), dtype=_dtype(logits_TE))
+    return weights_TK, logits_TE.new_empty((T, k), dtype=torch.int64)
+
+
+def _setup_context(ctx, inputs, output):
+    logits_TE, _, _, score, normalize = inputs
+    weights_TK, idx_TK = output
+    ctx.save_for_backward(logits_TE, weights_TK, idx_TK)
+    ctx.score, ctx.normalize = score, normalize
+
+
+def _backward(ctx, grad_weights_TK, _grad_idx):
+    """Analytic vjp with the selection (idx) held fixed; only logits get a grad."""
+    logits_TE, weights_TK, idx_TK = ctx.saved_tensors
+    if grad_weights_TK is None:
+        return None, None, None, None, None
+    scores_TE = _scores(logits_TE, ctx.score)
+    g_TK = grad_weights_TK.to(scores_TE.dtype)
+    if ctx.normalize:  # w = raw / d  =>  d raw = (g - <g, w>) / d
+        eps = _SIGMOID_EPS if ctx.score == "sigmoid" else 0.0
+        denom_T1 = scores_TE.gather(-1, idx_TK).sum(-1, keepdim=True) + eps
+        g_TK = (g_TK - (g_TK * weights_TK).sum(-1, keepdim=True)) / denom_T1
+    g_TE = torch.zeros_like(scores_TE).scatter_add_(-1, idx_TK, g_TK)
+    if ctx.score == "softmax":
+        g_TE = scores_TE * (g_TE - (g_TE * scores_TE).sum(-1, keepdim=True))
+    else:
+        g_TE = g_TE * scores_TE * (1 - scores_TE)
+    return g_TE.to(logits_TE.dtype), None, None, None, None
+
+
+_route_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def route(
+    logits_TE: Tensor,
+    bias_E: Optional[Tensor] = None,
+    k: int = 2,
+    score: str = "softmax",
+    normalize: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Top-k routing: `(weights_TK, idx_TK)`, experts sorted by descending choice score.
+
+    `score` is "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3);
+    `normalize` rescales each token's k weights to sum to 1.
+    """
+    return torch.ops.moecompile.route(logits_TE, bias_E, k, score, normalize)

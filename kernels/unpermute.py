@@ -1,0 +1,93 @@
+"""`moecompile::unpermute` — weighted combine of expert outputs back into token order.
+
+Legend: N permuted rows, H hidden, T tokens, K top-k; an assignment is a = t*K + j.
+
+    row_src_N = [1, 0, 2, -1]   (K=2)                      # -1: padding row
+    out_TH[0] = w[0, 1] * y_NH[0] + w[0, 0] * y_NH[1]
+    out_TH[1] = w[1, 0] * y_NH[2]                          # a=3 was dropped
+
+The inverse of `permute`: dropped assignments and padding rows contribute
+nothing, and a token with no surviving rows comes out as zeros.
+"""
+import torch
+from torch import Tensor
+
+
+def _check(y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, num_tokens: int) -> None:
+    if y_NH.dim() != 2 or row_src_N.dim() != 1 or weights_TK.dim() != 2:
+        raise ValueError(
+            f"unpermute: need y_NH [N, H], row_src_N [N], weights_TK [T, K], got shapes "
+            f"{tuple(y_NH.shape)}, {tuple(row_src_N.shape)}, {tuple(weights_TK.shape)}"
+        )
+    if row_src_N.shape[0] != y_NH.shape[0] or weights_TK.shape[0] != num_tokens:
+        raise ValueError(
+            f"unpermute: y_NH {tuple(y_NH.shape)}, row_src_N {tuple(row_src_N.shape)}, weights_TK "
+            f"{tuple(weights_TK.shape)} and num_tokens={num_tokens} disagree on N or T"
+        )
+    if row_src_N.dtype.is_floating_point or row_src_N.dtype == torch.bool:
+        raise ValueError(f"unpermute: row_src_N must be an integer tensor, got {row_src_N.dtype}")
+
+
+def _rows(row_src_N: Tensor, weights_TK: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """(source assignment clamped to >= 0, destination token, weight per row; 0 for pads)."""
+    valid_N = row_src_N >= 0
+    src_N = row_src_N.clamp(min=0).long()
+    w_N = torch.where(valid_N, weights_TK.reshape(-1)[src_N].to(dtype), 0)
+    return src_N, src_N // weights_TK.shape[1], w_N
+
+
+def unpermute_ref(y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, num_tokens: int) -> Tensor:
+    """Pure-torch combine: the CPU implementation and the test oracle."""
+    _check(y_NH, row_src_N, weights_TK, num_tokens)
+    if row_src_N.device.type == "cpu" and row_src_N.numel():  # free check on CPU only
+        lo, hi, A = int(row_src_N.min()), int(row_src_N.max()), weights_TK.numel()
+        if lo < -1 or hi >= A:
+            raise ValueError(
+                f"unpermute: row_src_N values must lie in [-1, {A}), got min {lo}, max {hi}"
+            )
+    _, tok_N, w_N = _rows(row_src_N, weights_TK, y_NH.dtype)
+    out_TH = y_NH.new_zeros((num_tokens, y_NH.shape[1]))
+    return out_TH.index_add_(0, tok_N, y_NH * w_N.unsqueeze(1))
+
+
+@torch.library.custom_op("moecompile::unpermute", mutates_args=())
+def _unpermute_op(y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, num_tokens: int) -> Tensor:
+    return unpermute_ref(y_NH, row_src_N, weights_TK, num_tokens)
+
+
+@_unpermute_op.register_fake
+def _unpermute_fake(y_NH, row_src_N, weights_TK, num_tokens):
+    _check(y_NH, row_src_N, weights_TK, num_tokens)
+    return y_NH.new_empty((num_tokens, y_NH.shape[1]))
+
+
+def _setup_context(ctx, inputs, output):
+    y_NH, row_src_N, weights_TK, _ = inputs
+    ctx.save_for_backward(y_NH, row_src_N, weights_TK)
+
+
+def unpermute_backward(
+    grad_TH: Tensor, y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor
+) -> tuple[Tensor, Tensor]:
+    """grad_y[r] = w[row_src[r]] * grad[t]; grad_w[a] = <grad[t], y[row of a]> (0 if dropped)."""
+    src_N, tok_N, w_N = _rows(row_src_N, weights_TK, y_NH.dtype)
+    grad_rows_NH = grad_TH[tok_N]
+    grad_y_NH = grad_rows_NH * w_N.unsqueeze(1)
+    acc = torch.promote_types(weights_TK.dtype, torch.float32)
+    dot_N = (grad_rows_NH.to(acc) * y_NH.to(acc)).sum(-1).masked_fill(row_src_N < 0, 0)
+    grad_w_A = weights_TK.new_zeros((weights_TK.numel(),), dtype=acc).index_add_(0, src_N, dot_N)
+    return grad_y_NH, grad_w_A.reshape(weights_TK.shape).to(weights_TK.dtype)
+
+
+def _backward(ctx, grad_TH):
+    y_NH, row_src_N, weights_TK = ctx.saved_tensors
+    grad_y_NH, grad_weights_TK = unpermute_backward(grad_TH, y_NH, row_src_N, weights_TK)
+    return grad_y_NH, None, grad_weights_TK, None
+
+
+_unpermute_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def unpermute(y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, num_tokens: int) -> Tensor:
+    """Combine: out_TH[t] = sum over t's surviving rows r of weights[row_src[r]] * y_NH[r]."""
+    return torch.ops.moecompile.unpermute(y_NH, row_src_N, weights_TK, num_tokens)
