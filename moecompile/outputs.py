@@ -21,7 +21,7 @@ def side_output_names(gm: fx.GraphModule) -> dict[str, list[str]]:
 
 
 def add_side_outputs(gm: fx.GraphModule, layer: str, values: dict[str, fx.Node]) -> None:
-    """Make the graph also return ``values`` under ``side[layer]`` (replacing earlier ones)."""
+    """Make the graph also return ``values`` under ``side[layer]`` (same names are replaced)."""
     graph = gm.graph
     out = graph.output_node()
     codegen = graph._codegen
@@ -32,7 +32,7 @@ def add_side_outputs(gm: fx.GraphModule, layer: str, values: dict[str, fx.Node])
         state = {"n_orig": len(flat), "out_spec": pytree_info.out_spec if pytree_info else None, "side": {}}
         gm.meta[_KEY] = state
     orig = list(out.args[0])[: state["n_orig"]] if pytree_info is not None else [out.args[0][0]]
-    state["side"][layer] = {name: node.name for name, node in values.items()}
+    state["side"].setdefault(layer, {}).update({name: node.name for name, node in values.items()})
     by_name = {n.name: n for n in graph.nodes}
     side = {lay: {k: by_name[v] for k, v in d.items()} for lay, d in state["side"].items()}
     if pytree_info is None:

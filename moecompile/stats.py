@@ -25,10 +25,11 @@ LOSS_COEFFS = {"aux_loss": "aux_loss_coeff", "z_loss": "z_loss_coeff"}
 
 @dataclasses.dataclass
 class RouterStats:
-    """Per MoE layer: raw router losses (tensors with grad) and tokens per expert."""
+    """Per MoE layer: raw router losses (tensors with grad), tokens per expert, other side outputs."""
 
     losses: dict[str, dict[str, torch.Tensor]]
     load: dict[str, torch.Tensor]
+    metrics: dict[str, dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
     def weighted_loss(self, plan: Plan) -> torch.Tensor | float:
         """Sum over layers of coefficient * loss, as the plan asks."""
@@ -50,8 +51,9 @@ class RouterStats:
 def _split_hook(module: fx.GraphModule, args: Any, kwargs: Any, output: Any) -> Any:
     model_output, side = split_outputs(module, output)
     module.moe_stats = RouterStats(
-        losses={layer: {k: v for k, v in d.items() if k != "load"} for layer, d in side.items()},
+        losses={layer: {k: v for k, v in d.items() if k in LOSS_COEFFS} for layer, d in side.items()},
         load={layer: d["load"].detach() for layer, d in side.items() if "load" in d},
+        metrics={layer: {k: v for k, v in d.items() if k not in LOSS_COEFFS and k != "load"} for layer, d in side.items()},
     )
     return model_output
 

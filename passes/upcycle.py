@@ -122,7 +122,7 @@ def _register(gm: fx.GraphModule, layer: str, info: FFNInfo, cfg: ExpertsConfig,
     return {k: add_parameter(gm, prefix + names[k], t, requires_grad=k != "bias") for k, t in tensors.items()}
 
 
-def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, seq_len: int | None):
+def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int):
     """The MoE computation as plain torch code; traced to ATen and inlined by the pass."""
     E, k, S = cfg.num_experts, cfg.top_k, cfg.shared_experts
 
@@ -149,7 +149,7 @@ def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, seq_len: i
             with annotate({"role": "shared_experts"}):
                 y_TH = y_TH + _shared_mlp(x_TH, shared_w_in, shared_w_out, shared_b_in, shared_b_out, act, glu)
         with annotate({"role": "router_loss"}):
-            side = router_losses(logits_TE, idx_TK, load_E, cfg, seq_len)
+            side = router_losses(logits_TE, idx_TK, load_E, cfg, x.shape[1] if x.dim() == 3 else None)
         return y_TH.view(x.shape), {"load": load_E, **side}
 
     return block
@@ -179,7 +179,7 @@ def router_losses(logits_TE, idx_TK, load_E, cfg: ExpertsConfig, seq_len: int | 
     else:  # sigmoid scores normalised over experts (DeepSeek-V3)
         sig = logits.sigmoid()
         probs_TE = sig / sig.sum(-1, keepdim=True)
-    if cfg.aux_loss == "aux" or not seq_len:  # Switch: E * sum_e f_e P_e over the batch
+    if cfg.aux_loss == "aux" or seq_len is None:  # Switch: E * sum_e f_e P_e over the batch
         f_E = load_E.float() / (idx_TK.shape[0] * k)
         out["aux_loss"] = E * (f_E * probs_TE.mean(0)).sum()
     else:  # seq_aux: the same per sequence, averaged over sequences
@@ -207,10 +207,9 @@ def upcycle(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         x_val = x.meta["val"]
         tokens = x_val.shape[:-1].numel()
         capacity = cfg.capacity(int(tokens))
-        seq_len = int(x_val.shape[1]) if x_val.dim() == 3 else None
         params = _register(gm, layer, info, cfg, ctx.plan.experts.seed)
         values = {k: get_attr_value(gm, n) for k, n in params.items()}
-        block = trace_block(moe_block(cfg, info["act"], info["kind"] == "glu", capacity, seq_len),
+        block = trace_block(moe_block(cfg, info["act"], info["kind"] == "glu", capacity),
                             {"x": torch.zeros(x_val.shape, dtype=x_val.dtype), **values})
         existing = set(gm.graph.nodes)
         with gm.graph.inserting_before(out):

@@ -1,0 +1,181 @@
+"""Function preservation at init: the upcycled model reproduces the dense one."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+import moecompile as mc
+from moecompile import Role
+from moecompile.meta import nodes_with_role
+
+from conftest import tiny_hf
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2"]
+
+
+def plan(E=8, k=2, G=1, S=0, **extra):
+    return {"experts": {"num_experts": E, "top_k": k, "granularity": G, "shared_experts": S, **extra}}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("G,S", [(1, 0), (2, 0), (1, 1), (2, 2)])
+def test_hf_logits_identical_at_init(family, G, S, ids):
+    model = tiny_hf(family)
+    result = mc.convert(model, plan(k=2 * G, G=G, S=S), (ids,))
+    got, want = result.module(ids).logits, model(ids).logits
+    assert type(result.module(ids)).__name__ == type(model(ids)).__name__
+    assert (got - want).abs().max().item() <= 1e-5
+    routes = [n for n in nodes_with_role(result.module.graph, Role.ROUTE) if n.target == torch.ops.moecompile.route.default]
+    assert len(routes) == 2
+
+
+def test_dense_model_is_not_modified(llama, ids):
+    before = {k: v.clone() for k, v in llama.state_dict().items()}
+    result = mc.convert(llama, plan(), (ids,))
+    for p in result.module.parameters():
+        p.data.add_(1.0)
+    after = llama.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_parameter_names_follow_the_dense_module_path(llama, ids):
+    result = mc.convert(llama, plan(S=1, expert_bias=True), (ids,))
+    names = dict(result.module.named_parameters())
+    assert names["model.layers.0.mlp.experts.w_gate_up"].shape == (8, 128, 32)  # [E, 2F, H]
+    assert names["model.layers.0.mlp.experts.w_down"].shape == (8, 32, 64)  # [E, H, F]
+    assert names["model.layers.0.mlp.router.weight"].shape == (8, 32)
+    assert names["model.layers.1.mlp.shared_experts.w_gate_up"].shape == (1, 128, 32)
+    assert "model.layers.0.mlp.gate_proj.weight" not in names
+    assert "model.layers.0.mlp.router.expert_bias" in dict(result.module.named_buffers())
+
+
+def test_granular_experts_are_slices_and_router_rows_share_virtual_groups(llama, ids):
+    result = mc.convert(llama, plan(E=8, k=4, G=4), (ids,))
+    p = dict(result.module.named_parameters())
+    w_gate_up, router = p["model.layers.0.mlp.experts.w_gate_up"], p["model.layers.0.mlp.router.weight"]
+    assert w_gate_up.shape == (8, 32, 32)  # F/G = 16 gate rows + 16 up rows
+    gate = llama.model.layers[0].mlp.gate_proj.weight
+    assert torch.equal(w_gate_up[1, :16], gate[16:32])  # expert 1 = slice 1 of copy 0
+    assert torch.equal(w_gate_up[5, :16], gate[16:32])  # expert 5 = slice 1 of copy 1
+    assert torch.equal(router[0], router[3]) and not torch.equal(router[3], router[4])
+
+
+def test_router_noise_breaks_exactness_on_purpose(llama, ids):
+    result = mc.convert(llama, plan(E=4, k=2, G=2, router_noise=0.5), (ids,))
+    r = dict(result.module.named_parameters())["model.layers.0.mlp.router.weight"]
+    assert not torch.equal(r[0], r[1])
+
+
+def test_layer_selection_every_and_list(llama, ids):
+    every = mc.convert(tiny_hf("llama", layers=3), plan(layers="every:2"), (ids,))
+    assert every.record("upcycle").data["layers"] == ["model.layers.0.mlp", "model.layers.2.mlp"]
+    listed = mc.convert(llama, plan(layers=[r"model\.layers\.1\.mlp"]), (ids,))
+    assert listed.record("upcycle").data["layers"] == ["model.layers.1.mlp"]
+    assert (listed.module(ids).logits - llama(ids).logits).abs().max() <= 1e-5
+
+
+class PlainMLP(nn.Module):
+    def __init__(self, act: nn.Module, bias: bool, H=24, F=40):
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.fc1, self.act, self.fc2 = nn.Linear(H, F, bias=bias), act, nn.Linear(F, H, bias=bias)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(self.norm(x))))
+
+
+class PlainGLU(nn.Module):
+    def __init__(self, H=24, F=40):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(H, F), nn.Linear(H, F), nn.Linear(F, H)
+
+    def forward(self, x):
+        return self.down(nn.functional.gelu(self.gate(x), approximate="tanh") * self.up(x))
+
+
+@pytest.mark.parametrize("module", [
+    PlainMLP(nn.GELU(), True), PlainMLP(nn.ReLU(), False), PlainMLP(nn.SiLU(), True),
+    PlainMLP(nn.GELU(approximate="tanh"), True), PlainGLU(),
+], ids=["gelu-bias", "relu", "silu-bias", "gelu_tanh", "geglu-bias"])
+@pytest.mark.parametrize("G,S", [(1, 0), (2, 1)])
+def test_plain_modules_identical_at_init(module, G, S):
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 24)
+    result = mc.convert(module, plan(E=4, k=2, G=G, S=S), (x,))
+    assert (result.module(x) - module(x)).abs().max().item() <= 1e-5
+
+
+def test_some_experts_get_no_tokens_and_gradients_flow(llama):
+    one = torch.zeros(1, 3, dtype=torch.long)  # 3 identical tokens -> at most 2 of 16 experts used
+    result = mc.convert(llama, plan(E=16, k=2), (one,))
+    out = result.module(one).logits
+    load = result.expert_load()["model.layers.0.mlp"]
+    assert (load == 0).sum() >= 14 and load.sum() == 6
+    (out.float().square().mean()).backward()
+    g = dict(result.module.named_parameters())["model.layers.0.mlp.experts.w_down"].grad
+    used = load > 0
+    assert g[used].abs().sum() > 0 and torch.all(g[~used] == 0)
+
+
+def test_router_losses_are_in_the_graph_and_differentiable(llama, ids):
+    result = mc.convert(llama, plan(aux_loss="aux", z_loss_coeff=1e-2), (ids,))
+    result.module(ids)
+    losses = result.router_stats.losses["model.layers.0.mlp"]
+    assert set(losses) == {"aux_loss", "z_loss"}
+    assert losses["aux_loss"].item() >= 1.0 - 1e-5  # the Switch loss is 1 at perfect balance, above otherwise
+    total = result.router_loss()
+    total.backward()
+    assert dict(result.module.named_parameters())["model.layers.0.mlp.router.weight"].grad.abs().sum() > 0
+
+
+def test_seq_aux_loss_matches_a_direct_computation(llama, ids):
+    result = mc.convert(llama, plan(E=4, k=2, aux_loss="seq_aux"), (ids,))
+    result.module(ids)
+    assert result.router_stats.losses["model.layers.1.mlp"]["aux_loss"].item() >= 1.0 - 1e-5
+
+
+def test_capacity_drops_tokens_and_counts_load(llama, ids):
+    result = mc.convert(llama, plan(E=4, k=2, capacity_factor=0.5), (ids,))
+    out = result.module(ids).logits
+    assert torch.isfinite(out).all()
+    assert result.expert_load()["model.layers.0.mlp"].sum() == ids.numel() * 2  # load counts before dropping
+    assert "capacity 4" in " ".join(result.record("upcycle").decisions)
+
+
+def test_dynamic_shapes_accept_other_batch_and_sequence_lengths(llama, ids):
+    result = mc.convert(llama, plan(E=4, k=2), (ids,), dynamic=True)
+    for shape in [(3, 5), (1, 12)]:
+        x = torch.randint(0, 128, shape)
+        assert (result.module(x).logits - llama(x).logits).abs().max() <= 1e-5
+
+
+def test_granularity_must_divide_intermediate(ids):
+    with pytest.raises(mc.PassError, match="F=40") as err:
+        mc.convert(PlainMLP(nn.GELU(), True), plan(E=6, k=3, G=3), (torch.randn(2, 3, 24),))
+    assert "upcycle" in str(err.value)
+
+
+def test_model_without_ffn_is_a_clear_error():
+    with pytest.raises(mc.PassError, match="no FFN in the model matches") as err:
+        mc.convert(nn.Sequential(nn.Linear(4, 4)), plan(), (torch.randn(2, 4),))
+    assert "SwiGLU" in str(err.value) and err.value.pass_name == "find_ffn"
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # Python control flow on a tensor value: not traceable
+            return self.fc(x)
+        return x
+
+
+def test_untraceable_model_is_a_trace_error():
+    with pytest.raises(mc.TraceError, match="DataDependent") as err:
+        mc.convert(DataDependent(), plan(), (torch.randn(2, 4),))
+    assert "Hint" in str(err.value)
+    with pytest.raises(mc.TraceError, match="expected an nn.Module"):
+        mc.trace(lambda x: x, (torch.randn(2),))
