@@ -51,7 +51,7 @@ class FFNInfo(TypedDict):
     input: str  # node name of x
     output: str  # node name of the FFN's result
     nodes: list[str]  # every node of the match (all replaced together)
-    weights: dict[str, str]  # "gate" / "up" / "down" -> parameter name (linear layout [out, in])
+    weights: dict[str, str]  # "gate" / "up" / "down" (or fused "gate_up") -> parameter name
     biases: dict[str, str]  # same keys, only those present
     transposed: bool  # weights stored [in, out] (GPT-2 Conv1D / addmm) instead of [out, in]
     hidden: int

@@ -3,6 +3,7 @@
 Nothing in the graph changes; each match is annotated so ``upcycle`` can replace it::
 
     linear(x, Wg) -> silu -> mul(., linear(x, Wu)) -> linear(., Wd)     kind="glu", act="silu"
+    linear(x, Wgu) -> chunk(2) -> silu(gate) * up -> linear(., Wd)       kind="glu" (Phi-3's fused gate_up)
     [view] -> addmm(b1, ., W1) -> [view] -> gelu_new -> [view] -> addmm -> [view]   kind="mlp"
 
 Patterns are matched with torch.fx's ``SubgraphMatcher`` over the ATen graph: SwiGLU /
@@ -52,7 +53,12 @@ def _linear(x, w, b):
 def _pattern(kind: str, act: str, bias: bool, swap: bool, conv1d: bool) -> fx.GraphModule:
     """Trace one FFN shape into a pattern graph; placeholder names say what they bind to."""
     f = _ACTS[act]
-    if kind == "glu":
+    if kind == "glu_fused":  # Phi-3: one gate_up GEMM, then chunk
+        def fn(x, w_gate_up, w_down):
+            h = aten.chunk.default(_linear(x, w_gate_up, None), 2, -1)
+            g, u = f(h[0]), h[1]
+            return _linear(aten.mul.Tensor(u, g) if swap else aten.mul.Tensor(g, u), w_down, None)
+    elif kind == "glu":
         if bias:
             def fn(x, w_gate, w_up, w_down, b_gate, b_up, b_down):
                 g, u = f(_linear(x, w_gate, b_gate)), _linear(x, w_up, b_up)
@@ -81,6 +87,8 @@ def _patterns() -> list[tuple[str, str, bool, fx.GraphModule]]:
     out = []
     for act, bias, swap in itertools.product(_GLU_ACTS, (True, False), (False, True)):
         out.append(("glu", act, False, _pattern("glu", act, bias, swap, False)))
+    for act, swap in itertools.product(_GLU_ACTS, (False, True)):
+        out.append(("glu", act, False, _pattern("glu_fused", act, False, swap, False)))
     for act, bias in itertools.product(("gelu", "gelu_tanh", "relu", "silu", "gelu_tanh_expanded"), (True, False)):
         out.append(("mlp", act, False, _pattern("mlp", act, bias, False, False)))
     for act in ("gelu", "gelu_tanh", "relu", "silu", "gelu_tanh_expanded"):
@@ -109,7 +117,7 @@ def find_ffn(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             taken.update(inner)
             out = match.returning_nodes[0]
             x = bound["x"]
-            w_up = get_attr_value(gm, params["w_up"].target)
+            w_down = get_attr_value(gm, params["w_down"].target)
             info = FFNInfo(
                 kind=kind,
                 act="gelu_tanh" if act == "gelu_tanh_expanded" else act,
@@ -119,8 +127,8 @@ def find_ffn(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 weights={k[2:]: v.target for k, v in params.items() if k.startswith("w_")},
                 biases={k[2:]: v.target for k, v in params.items() if k.startswith("b_")},
                 transposed=transposed,
-                hidden=w_up.shape[0] if transposed else w_up.shape[1],
-                intermediate=w_up.shape[1] if transposed else w_up.shape[0],
+                hidden=w_down.shape[1] if transposed else w_down.shape[0],
+                intermediate=w_down.shape[0] if transposed else w_down.shape[1],
             )
             found.append((out, inner, info))
     if not found:

@@ -49,6 +49,9 @@ def _generator(seed: int, layer: str) -> torch.Generator:
 def _dense(gm: fx.GraphModule, info: FFNInfo, key: str, bias: bool = False) -> torch.Tensor | None:
     """A dense FFN tensor in linear layout ([out, in] for weights)."""
     name = (info["biases"] if bias else info["weights"]).get(key)
+    if name is None and key in ("gate", "up") and "gate_up" in info["weights"] and not bias:
+        fused = get_attr_value(gm, info["weights"]["gate_up"]).detach()  # [2F, H], gate rows first
+        return fused.chunk(2, dim=0)[0 if key == "gate" else 1]
     if name is None:
         return None
     t = get_attr_value(gm, name).detach()

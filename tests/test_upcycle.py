@@ -10,7 +10,7 @@ from moecompile.meta import nodes_with_role
 
 from conftest import tiny_hf
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2"]
 
 
 def plan(E=8, k=2, G=1, S=0, **extra):
