@@ -60,7 +60,7 @@ def trace(
     name = type(model).__name__
     if method == "symbolic_trace":
         try:
-            gm = fx.symbolic_trace(model)
+            gm = _symbolic_trace_aten(model)
         except Exception as e:  # symbolic tracing fails in many user-specific ways
             raise TraceError(
                 f"torch.fx.symbolic_trace could not trace {name}: {e}. Hint: data-dependent Python control "
@@ -93,6 +93,44 @@ def trace(
     # The graph is fixed to the mode it was traced in (dropout is baked in as an op), and
     # ExportedProgram.module() refuses .train()/.eval(): trace in the mode you will run.
     return exported.module()
+
+
+class _ThroughModulesTracer(fx.Tracer):
+    """Traces into every module (nn.Linear included) so weights appear as get_attr nodes."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return False
+
+
+def _aten_targets() -> dict[Any, Any]:
+    import operator
+
+    aten = torch.ops.aten
+    return {
+        torch._C._nn.linear: aten.linear.default, torch._C._nn.gelu: aten.gelu.default,
+        torch._C._nn.silu: aten.silu.default, torch.relu: aten.relu.default, torch.nn.functional.relu: aten.relu.default,
+        torch.nn.functional.silu: aten.silu.default, torch.nn.functional.gelu: aten.gelu.default,
+        torch.addmm: aten.addmm.default, torch.tanh: aten.tanh.default,
+        operator.mul: aten.mul.Tensor, operator.add: aten.add.Tensor, torch.mul: aten.mul.Tensor, torch.add: aten.add.Tensor,
+    }
+
+
+def _symbolic_trace_aten(model: nn.Module) -> fx.GraphModule:
+    """``symbolic_trace``, then the torch-level calls the passes look for renamed to their ATen ops.
+
+    Passes pattern-match ATen (the export IR); this keeps one vocabulary for both frontends.
+    """
+    tracer = _ThroughModulesTracer()
+    graph = tracer.trace(model)
+    targets = _aten_targets()
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in targets:
+            node.target = targets[node.target]
+            node.kwargs = {k: v for k, v in node.kwargs.items() if k != "inplace"}
+        elif node.op == "call_method" and node.target in ("view", "reshape"):
+            node.op, node.target = "call_function", torch.ops.aten.view.default if node.target == "view" else torch.ops.aten.reshape.default
+            node.args = (node.args[0], list(node.args[1:]) if not isinstance(node.args[1], (list, tuple)) else list(node.args[1]))
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
 
 
 def _positional_names(model: nn.Module, n: int) -> list[str]:

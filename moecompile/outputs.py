@@ -31,7 +31,9 @@ def add_side_outputs(gm: fx.GraphModule, layer: str, values: dict[str, fx.Node])
         flat = list(out.args[0]) if pytree_info is not None else [out.args[0]]
         state = {"n_orig": len(flat), "out_spec": pytree_info.out_spec if pytree_info else None, "side": {}}
         gm.meta[_KEY] = state
-    orig = list(out.args[0])[: state["n_orig"]] if pytree_info is not None else [out.args[0][0]]
+        orig = flat
+    else:
+        orig = list(out.args[0])[: state["n_orig"]] if pytree_info is not None else [out.args[0][0]]
     state["side"].setdefault(layer, {}).update({name: node.name for name, node in values.items()})
     by_name = {n.name: n for n in graph.nodes}
     side = {lay: {k: by_name[v] for k, v in d.items()} for lay, d in state["side"].items()}

@@ -229,7 +229,7 @@ def upcycle(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         set_moe(y, layer=layer, role=Role.COMBINE, moe=moe_info)
         converted.append(layer)
         ctx.decide(
-            f"{layer}: {info['kind']} FFN -> {cfg.num_experts} experts top-{cfg.top_k} (G={cfg.granularity}, "
+            f"{layer or '<root>'}: {info['kind']} FFN -> {cfg.num_experts} experts top-{cfg.top_k} (G={cfg.granularity}, "
             f"shared={cfg.shared_experts}, {'dropless' if not capacity else f'capacity {capacity}'})"
         )
     ctx.record(layers=converted)

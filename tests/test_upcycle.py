@@ -179,3 +179,12 @@ def test_untraceable_model_is_a_trace_error():
     assert "Hint" in str(err.value)
     with pytest.raises(mc.TraceError, match="expected an nn.Module"):
         mc.trace(lambda x: x, (torch.randn(2),))
+
+
+@pytest.mark.parametrize("module", [PlainMLP(nn.GELU(), True), PlainMLP(nn.SiLU(), False), PlainGLU()],
+                         ids=["gelu-bias", "silu", "geglu-bias"])
+def test_symbolic_trace_frontend_speaks_the_same_ops(module):
+    x = torch.randn(3, 5, 24)
+    result = mc.convert(module, plan(E=4, k=2, G=2), (x,), trace_method="symbolic_trace")
+    assert (result.module(x) - module(x)).abs().max().item() <= 1e-5
+    assert result.record("find_ffn").decisions
