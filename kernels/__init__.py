@@ -5,25 +5,44 @@
 
 Also `moecompile::grouped_mm_wgrad`, the weight gradient grouped_mm's backward calls.
 
-Importing this package registers every op. Each op's device-generic
-implementation is its `<op>_ref` (pure torch: the CPU path and the test
-oracle); a faster per-device kernel (Triton) registers beside it with
-`torch.library.register_kernel("moecompile::<op>", "cuda", ...)`, so call
-sites never branch on what is installed.
+FP8 (forward-only building blocks for the FP8 pass; recipes and scale layouts
+in kernels/fp8_quantize.py and kernels/grouped_mm_fp8.py):
+
+    quantize_fp8(x, recipe: str, fmt: str, block: int) -> (q, scale)
+        recipe "tensorwise" | "rowwise" | "tile" (1 x block) | "block" (block x block),
+        fmt "e4m3" | "e5m2"; scale float32 in the layout torch._scaled_mm takes.
+    grouped_mm_fp8(x_q, x_scale, w_q, w_scale, group_sizes_E, recipe: str, block: int,
+                   bias_EO: Tensor?, out_dtype: dtype) -> y_NO
+        recipe "tensorwise" | "rowwise" | "blockwise" (x "tile", w "block").
+
+Importing this package registers every op. Each op has its `<op>_ref` (pure
+torch: the CPU path and the test oracle) and a Triton body in
+`<op>_triton.py`; the op's body asks `backend.implementation(...)` which one
+runs (CUDA -> Triton, CPU -> reference, `MOECOMPILE_KERNELS=triton|reference`
+or `backend.use(...)` forces one), so call sites never branch on what is installed.
 """
+from . import backend
+from .fp8_quantize import dequantize_fp8, quantize_fp8, quantize_fp8_ref
 from .glu import glu, glu_ref
 from .grouped_mm import grouped_mm, grouped_mm_ref
+from .grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_ref
 from .permute import permute, permute_ref
 from .route import route, route_ref
 from .unpermute import unpermute, unpermute_ref
 
 __all__ = [
+    "backend",
+    "dequantize_fp8",
     "glu",
     "glu_ref",
     "grouped_mm",
     "grouped_mm_ref",
+    "grouped_mm_fp8",
+    "grouped_mm_fp8_ref",
     "permute",
     "permute_ref",
+    "quantize_fp8",
+    "quantize_fp8_ref",
     "route",
     "route_ref",
     "unpermute",

@@ -1,0 +1,156 @@
+"""Which implementation runs a moecompile op: the one place that decides.
+
+    choice      CUDA tensors      CPU tensors
+    auto        Triton            reference        (default)
+    triton      Triton            Triton under TRITON_INTERPRET=1, else KernelError
+    reference   reference         reference
+
+The choice comes from `MOECOMPILE_KERNELS` (read once, on first use, not at
+import) and can be overridden in a scope with `use("triton")`. Every op body
+asks `implementation("<op>", device)` and calls what it gets, so call sites
+never test what is installed.
+
+Why not one `register_kernel(op, "cuda", ...)` per op: the ops stay single
+`torch.library.custom_op`s whose body consults this table on every device, so
+(1) forcing a backend works on CUDA and CPU alike, (2) export graphs keep one
+`moecompile.<op>` node per MoE op (the passes' contract), and (3) tracing
+(FakeTensorProp, export, torch.compile) uses the ops' fake impls and never
+reaches a Triton launch with fake tensors.
+
+Triton bodies live in `<op>_triton.py` modules, imported lazily on first use:
+`@triton.jit` picks compiled or interpreted mode from TRITON_INTERPRET at
+decoration, so the variable must be set before the first Triton call.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import logging
+import os
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from moecompile.errors import KernelError  # a leaf module: errors imports nothing of ours
+
+CHOICES = ("auto", "triton", "reference")
+ENV_VAR = "MOECOMPILE_KERNELS"
+log = logging.getLogger(__name__)
+
+_REFERENCE: dict[str, Callable] = {}
+_TRITON: dict[str, str] = {}  # op name -> "module:function" inside moecompile.kernels
+# A process-wide stack, not a ContextVar: autograd runs CUDA backward on its own
+# threads, which would not see a context-local override.
+_SCOPE: list[str] = []
+
+
+def register(name: str, reference: Callable, triton: Optional[str] = None) -> None:
+    """Declare op `name`'s reference and (lazily imported) Triton body, "module:function"."""
+    _REFERENCE[name] = reference
+    if triton is not None:
+        _TRITON[name] = triton
+
+
+def _validate(choice: str, source: str) -> str:
+    if choice not in CHOICES:
+        raise KernelError(f"{source} = {choice!r} is not a kernel backend; use one of {CHOICES}")
+    return choice
+
+
+@functools.cache
+def _env_choice() -> str:
+    return _validate(os.environ.get(ENV_VAR, "auto").strip().lower() or "auto", ENV_VAR)
+
+
+def choice() -> str:
+    """The backend choice in force: the innermost `use(...)`, else MOECOMPILE_KERNELS, else auto."""
+    return _SCOPE[-1] if _SCOPE else _env_choice()
+
+
+@contextlib.contextmanager
+def use(backend: str) -> Iterator[None]:
+    """Force `backend` ("auto" | "triton" | "reference") for every op called inside the block."""
+    _SCOPE.append(_validate(backend, "use(backend)"))
+    try:
+        yield
+    finally:
+        _SCOPE.pop()
+
+
+@functools.cache
+def _triton_probe() -> Optional[str]:
+    """None if Triton imports, else why not (probed once)."""
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install raising anything
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def triton_available() -> bool:
+    return _triton_probe() is None
+
+
+@functools.cache
+def _load(target: str) -> Callable:
+    module, _, fn = target.partition(":")
+    loaded = importlib.import_module(f"{__package__}.{module}")
+    _INTERPRETED[module] = _interpret_env()
+    return getattr(loaded, fn)
+
+
+_INTERPRETED: dict[str, bool] = {}
+
+
+def _interpret_env() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def interpreting() -> bool:
+    """True if the Triton bodies run (or, not yet imported, will run) in the CPU interpreter."""
+    return any(_INTERPRETED.values()) if _INTERPRETED else _interpret_env()
+
+
+def uses_triton(device: torch.device) -> bool:
+    """Does an op on `device` run its Triton body under the current choice? Raises if it can't."""
+    wanted = choice()
+    if wanted == "reference" or (wanted == "auto" and device.type != "cuda"):
+        return False
+    why_not = _triton_probe()
+    if why_not is not None:
+        if wanted == "auto":
+            _warn_fallback(why_not)
+            return False
+        raise KernelError(
+            f"{ENV_VAR}=triton but Triton does not import ({why_not}); "
+            f"install the extra (`pip install moecompile[triton]`) or use {ENV_VAR}=reference"
+        )
+    if device.type != "cuda" and not interpreting():
+        raise KernelError(
+            f"{ENV_VAR}=triton on {device.type} tensors needs the Triton interpreter: set "
+            f"TRITON_INTERPRET=1 before the first kernel call, move the tensors to CUDA, or use "
+            f"{ENV_VAR}=reference"
+        )
+    return True
+
+
+@functools.cache
+def _warn_fallback(why_not: str) -> None:
+    log.warning("moecompile kernels: Triton unavailable (%s); CUDA ops run the torch reference", why_not)
+
+
+def implementation(name: str, device: torch.device) -> Callable:
+    """The callable that runs op `name` on `device`: its Triton body or its reference."""
+    if name not in _REFERENCE:
+        raise KernelError(f"no kernel registered as {name!r}; known: {sorted(_REFERENCE)}")
+    if not uses_triton(device):
+        return _REFERENCE[name]
+    if name not in _TRITON:
+        raise KernelError(f"op {name!r} has no Triton body; run it with {ENV_VAR}=reference")
+    return _load(_TRITON[name])
+
+
+def registered() -> dict[str, bool]:
+    """Every op name -> whether it has a Triton body (for reports and tests)."""
+    return {name: name in _TRITON for name in sorted(_REFERENCE)}
