@@ -1,0 +1,303 @@
+"""What a graph costs, read off ``meta["val"]`` FakeTensors without running anything.
+
+    costs = graph_costs(result.history[-1].graph)
+    costs.flops / costs.tokens          # forward FLOPs per token (matmul-class ops, like FlopCounterMode)
+    costs.activation_bytes              # what the forward materialises and keeps (views and recompute excluded)
+    costs.comm_bytes_step               # functional-collective payload per training step (forward x2)
+
+FLOPs use ``torch.utils.flop_counter``'s formulas: an op with a formula is counted from
+its shapes; a composite op (``aten.linear``, ``aten.matmul``) is decomposed under
+``FlopCounterMode`` on its fake inputs. This module registers formulas for the
+moecompile ops (``grouped_mm``, ``grouped_mm_wgrad``), so ``FlopCounterMode`` on a real
+training step counts expert GEMMs too. Attention (``scaled_dot_product_attention``)
+decomposes on CPU into a kernel without a formula, so it is counted here directly.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import operator
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import FlopCounterMode, bmm_flop, flop_registry, register_flop_formula
+
+import moecompile.kernels  # noqa: F401  (defines torch.ops.moecompile.*)
+
+from .meta import Role
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional")
+# Ops that neither move bytes themselves nor start a transfer.
+_NOT_TRANSFERS = {"wait_tensor"}
+# Collectives whose payload is their output (the gathered buffer), not their input.
+_OUTPUT_PAYLOAD = {"all_gather_into_tensor", "all_gather_into_tensor_coalesced"}
+
+
+def _grouped_mm_flop(x_shape, w_shape, sizes_shape, bias_shape=None, out_shape=None, **kwargs) -> int:
+    """y_NO = x_NI @ w_EOI[e].T per expert block: 2*N*O*I, however the rows split."""
+    n, i = x_shape
+    _e, o, _i = w_shape
+    return 2 * n * o * i
+
+
+def _grouped_mm_wgrad_flop(grad_shape, x_shape, sizes_shape, out_shape=None, **kwargs) -> int:
+    """dw_EOI[e] = dy[rows of e].T @ x[rows of e]: 2*N*O*I in total."""
+    n, o = grad_shape
+    return 2 * n * o * x_shape[1]
+
+
+def _register_moe_formulas() -> None:
+    for packet, formula in (
+        (torch.ops.moecompile.grouped_mm, _grouped_mm_flop),
+        (torch.ops.moecompile.grouped_mm_wgrad, _grouped_mm_wgrad_flop),
+    ):
+        if packet not in flop_registry:  # importing twice (reload) must not raise "duplicate"
+            register_flop_formula(packet)(formula)
+
+
+_register_moe_formulas()
+
+
+def _sdpa_flop(q, k, v, *args: Any, **kwargs: Any) -> int:
+    """QK^T and PV of attention; key/value heads broadcast to the query heads (GQA)."""
+    *batch, heads, s_q, d_q = q.shape
+    s_k, d_v = k.shape[-2], v.shape[-1]
+    bh = heads
+    for b in batch:
+        bh = bh * b
+    return bmm_flop((bh, s_q, d_q), (bh, d_q, s_k)) + bmm_flop((bh, s_q, s_k), (bh, s_k, d_v))
+
+
+# Counted here rather than registered with torch: registering an aten op globally would change
+# what FlopCounterMode reports for everyone else's code.
+_LOCAL_FORMULAS = {
+    aten.scaled_dot_product_attention: _sdpa_flop,
+    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_flop,
+}
+
+
+@dataclasses.dataclass
+class GraphCosts:
+    """Totals for one forward graph, plus where they come from."""
+
+    tokens: int  # tokens in the example batch (numel of the token-id input)
+    flops: int  # forward FLOPs of the whole batch
+    activation_bytes: int  # forward outputs kept (non-view, not recomputed)
+    recomputed_bytes: int  # outputs of nodes marked for recompute (not kept)
+    param_bytes: int  # bytes of the get_attr tensors the graph reads
+    comm_bytes_fwd: int  # collective payload in the forward graph
+    flops_by_op: dict[str, int] = dataclasses.field(default_factory=dict)
+    flops_by_role: dict[str, int] = dataclasses.field(default_factory=dict)
+    comm_by_op: dict[str, int] = dataclasses.field(default_factory=dict)
+    collectives: int = 0  # collective nodes (waits excluded)
+    approximate: bool = False  # some shape was symbolic without a hint, or an op could not be counted
+
+    @property
+    def comm_bytes_step(self) -> int:
+        """Forward collectives x2: autograd runs each one's mirror (a2a -> a2a, gather -> scatter) in backward."""
+        return 2 * self.comm_bytes_fwd
+
+    @property
+    def flops_per_token(self) -> float:
+        return self.flops / self.tokens if self.tokens else float(self.flops)
+
+
+def _concrete(x: Any) -> int | None:
+    """An int for an int or a SymInt with a hint; None when the size is unknown (unbacked)."""
+    if isinstance(x, int):
+        return x
+    if isinstance(x, torch.SymInt):
+        hint = getattr(x.node, "hint", None)
+        if hint is not None:
+            return int(hint)
+        try:
+            return int(x)
+        except Exception:
+            return None
+    try:
+        return int(x)
+    except Exception:
+        return None
+
+
+def tensor_bytes(value: Any) -> int | None:
+    """Bytes of a tensor, or of every tensor in a tuple/list; None when a size is unknown."""
+    if isinstance(value, torch.Tensor):
+        numel = _concrete(value.numel())
+        return None if numel is None else numel * value.element_size()
+    if isinstance(value, (tuple, list)):
+        parts = [tensor_bytes(v) for v in value if isinstance(v, (torch.Tensor, tuple, list))]
+        return None if any(p is None for p in parts) else sum(p for p in parts if p is not None)
+    return 0
+
+
+def _val(arg: Any) -> Any:
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+def _arg_vals(node: fx.Node) -> tuple[tuple, dict]:
+    return fx.node.map_aggregate(node.args, _val), fx.node.map_aggregate(node.kwargs, _val)  # type: ignore[return-value]
+
+
+def _fake_mode(values: Iterable[Any]) -> Any:
+    for v in torch.utils._pytree.tree_leaves(list(values)):
+        mode = getattr(v, "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+def node_flops(node: fx.Node) -> int | None:
+    """Forward FLOPs of one node (0 for ops without matmul work); None if it could not be counted."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return 0
+    packet = target.overloadpacket
+    args, kwargs = _arg_vals(node)
+    try:
+        if packet in _LOCAL_FORMULAS:
+            return _concrete(_LOCAL_FORMULAS[packet](*args, **kwargs))
+        if packet in flop_registry:
+            return _concrete(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd"):
+            return 0
+        mode = _fake_mode([args, kwargs])
+        if mode is None:
+            return None
+        with mode, FlopCounterMode(display=False) as counter:
+            target(*args, **kwargs)
+        return _concrete(counter.get_total_flops())
+    except Exception as e:  # a formula or decomposition that can't take these values
+        log.debug("could not count FLOPs of %s: %s", node.format_node(), e)
+        return None
+
+
+def _role(node: fx.Node) -> str:
+    role = node.meta.get("moe", {}).get("role")
+    return str(role) if role is not None else ""
+
+
+def is_recomputed(node: fx.Node) -> bool:
+    """Marked for recompute: moecompile's role, or torch's partitioner policy in ``meta["recompute"]``."""
+    if _role(node) == Role.RECOMPUTE.value:
+        return True
+    policy = node.meta.get("recompute")
+    name = getattr(policy, "name", str(policy or ""))
+    return name in ("MUST_RECOMPUTE", "PREFER_RECOMPUTE")
+
+
+def _is_view(node: fx.Node) -> bool:
+    target = node.target
+    if target is operator.getitem:
+        return True  # an element of a tuple output, counted with the op that made it
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def collective_kind(node: fx.Node) -> str | None:
+    """``all_to_all_single`` etc. for a functional-collective node (waits included), else None."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    return target.name().split("::")[1] if target.namespace in COLLECTIVE_NAMESPACES else None
+
+
+def comm_bytes(node: fx.Node) -> int | None:
+    """The collective's payload: its input buffer, or the gathered output for all-gathers."""
+    kind = collective_kind(node)
+    if kind is None or kind in _NOT_TRANSFERS:
+        return 0
+    if kind in _OUTPUT_PAYLOAD:
+        return tensor_bytes(node.meta.get("val"))
+    first = node.args[0] if node.args else None
+    return tensor_bytes(_val(first)) if first is not None else 0
+
+
+def count_tokens(graph: fx.Graph) -> int:
+    """Tokens in the example batch: numel of the first integer tensor input (token ids), else the
+    leading dims of the first floating input."""
+    floats = None
+    for node in graph.nodes:
+        if node.op != "placeholder":
+            continue
+        v = node.meta.get("val")
+        if not isinstance(v, torch.Tensor) or v.dim() == 0:
+            continue
+        if not v.is_floating_point():
+            return _concrete(v.numel()) or 0
+        if floats is None:
+            floats = _concrete(v.shape[:-1].numel()) or 0
+    return floats or 0
+
+
+def graph_costs(graph: fx.Graph | fx.GraphModule) -> GraphCosts:
+    """FLOPs, activation, parameter and communication bytes of one forward graph."""
+    graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    flops_by_op: collections.Counter[str] = collections.Counter()
+    flops_by_role: collections.Counter[str] = collections.Counter()
+    comm_by_op: collections.Counter[str] = collections.Counter()
+    act = recomputed = params = collectives = 0
+    approximate = False
+    seen_attrs: set[str] = set()
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "get_attr":
+            if node.target not in seen_attrs:
+                seen_attrs.add(str(node.target))
+                params += tensor_bytes(val) or 0
+            continue
+        if node.op != "call_function":
+            continue
+        flops = node_flops(node)
+        if flops is None:
+            approximate = True
+        elif flops:
+            flops_by_op[str(node.target.overloadpacket)] += flops  # type: ignore[union-attr]
+            flops_by_role[_role(node) or "dense"] += flops
+        kind = collective_kind(node)
+        if kind is not None:
+            payload = comm_bytes(node)
+            approximate |= payload is None
+            if kind not in _NOT_TRANSFERS:
+                collectives += 1
+                comm_by_op[kind] += payload or 0
+        if _is_view(node):
+            continue
+        size = tensor_bytes(val)
+        if size is None:
+            approximate = True
+            continue
+        if is_recomputed(node):
+            recomputed += size
+        else:
+            act += size
+    return GraphCosts(
+        tokens=count_tokens(graph),
+        flops=sum(flops_by_op.values()),
+        activation_bytes=act,
+        recomputed_bytes=recomputed,
+        param_bytes=params,
+        comm_bytes_fwd=sum(comm_by_op.values()),
+        flops_by_op=dict(flops_by_op),
+        flops_by_role=dict(flops_by_role),
+        comm_by_op=dict(comm_by_op),
+        collectives=collectives,
+        approximate=approximate,
+    )
+
+
+def human(n: float, unit: str = "", base: int = 1000) -> str:
+    """1234567 -> '1.23 M' (base 1000) or '1.18 Mi' (base 1024), followed by ``unit``."""
+    prefixes = ["", "K", "M", "G", "T", "P"]
+    value, i = float(n), 0
+    while abs(value) >= base and i < len(prefixes) - 1:
+        value, i = value / base, i + 1
+    prefix = prefixes[i] + ("i" if base == 1024 and i else "")
+    text = f"{value:.0f}" if i == 0 else f"{value:.3g}" if abs(value) >= 100 else f"{value:.2f}"
+    return f"{text} {prefix}{unit}".rstrip()

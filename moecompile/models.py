@@ -1,0 +1,147 @@
+"""A small zoo of dense models built from configs (no downloads), for inspect, train and bench.
+
+    model, (ids,) = build_model("tiny-llama")                       # 2 layers, hidden 32
+    model, (ids,) = build_model("tiny-llama", num_hidden_layers=4, seq_len=32)
+    model, (ids,) = build_model("path/to/config.json")              # any Hugging Face causal LM config
+
+Weights are random (seeded); example inputs are token ids ``[batch_size, seq_len]``.
+Keyword overrides set fields of the Hugging Face config; ``batch_size``, ``seq_len``,
+``seed`` and ``dtype`` shape the example batch and the weights instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .errors import MoecompileError
+
+# Every tiny config: hidden 32, 2 layers, 4 heads (2 KV heads), FFN 64, vocab 128, no dropout.
+_TINY = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooEntry:
+    description: str
+    config: Callable[[], Any]  # () -> transformers.PretrainedConfig
+
+
+def _hf(cls_name: str, **fields: Any) -> Callable[[], Any]:
+    def make() -> Any:
+        import transformers
+
+        return getattr(transformers, cls_name)(**fields)
+
+    return make
+
+
+MODELS: dict[str, ZooEntry] = {
+    "tiny-llama": ZooEntry("Llama (SwiGLU, RMSNorm, RoPE, GQA)", _hf("LlamaConfig", **_TINY)),
+    "tiny-qwen3": ZooEntry("Qwen3 (SwiGLU, QK-norm)", _hf("Qwen3Config", **_TINY, head_dim=8)),
+    "tiny-qwen2": ZooEntry("Qwen2 (SwiGLU, QKV bias)", _hf("Qwen2Config", **_TINY)),
+    "tiny-mistral": ZooEntry("Mistral (SwiGLU, no sliding window)", _hf("MistralConfig", **_TINY, sliding_window=None)),
+    "tiny-gemma": ZooEntry("Gemma (GeGLU with tanh GELU)", _hf("GemmaConfig", **_TINY, head_dim=8)),
+    "tiny-phi3": ZooEntry("Phi-3 (fused gate_up projection)", _hf("Phi3Config", **_TINY)),
+    "tiny-olmo2": ZooEntry("OLMo-2 (SwiGLU, post-norm)", _hf("Olmo2Config", **_TINY)),
+    "tiny-gpt2": ZooEntry(
+        "GPT-2 (GELU MLP as Conv1D, biases)",
+        _hf("GPT2Config", vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2),
+    ),
+    "small-llama": ZooEntry(
+        "Llama, 4 layers, hidden 256, FFN 688, vocab 1024 (for benchmarks)",
+        _hf("LlamaConfig", **{**_TINY, "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 688,
+                              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+                              "max_position_embeddings": 2048}),
+    ),
+}
+
+
+def list_models() -> list[tuple[str, str]]:
+    """(name, description) of every zoo model."""
+    return [(name, entry.description) for name, entry in MODELS.items()]
+
+
+def load_config(name_or_config_path: str | Path) -> Any:
+    """The Hugging Face config of a zoo name, a config.json, or a directory holding one."""
+    key = str(name_or_config_path)
+    if key in MODELS:
+        return MODELS[key].config()
+    path = Path(key)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise MoecompileError(
+            f"model {key!r} is neither a zoo model ({', '.join(MODELS)}) nor a path to a Hugging Face config.json"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise MoecompileError(f"{path} is not valid JSON ({e}); give a Hugging Face config.json") from e
+    if "model_type" not in data:
+        raise MoecompileError(f"{path} has no 'model_type'; a Hugging Face config.json names its architecture there")
+    from transformers import AutoConfig
+
+    model_type = data.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **data)
+    except (KeyError, ValueError) as e:
+        raise MoecompileError(f"{path}: transformers does not know model_type {model_type!r} ({e})") from e
+
+
+def _apply_overrides(config: Any, overrides: dict[str, Any]) -> None:
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise MoecompileError(
+                f"{type(config).__name__} has no field {key!r}; override config fields such as "
+                "hidden_size, intermediate_size, num_hidden_layers, vocab_size (or batch_size, seq_len, seed, dtype)"
+            )
+        setattr(config, key, value)
+
+
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype), None)
+    if not isinstance(value, torch.dtype):
+        raise MoecompileError(f"dtype {dtype!r} is not a torch dtype; use e.g. 'float32' or 'bfloat16'")
+    return value
+
+
+def build_model(
+    name_or_config_path: str | Path,
+    *,
+    batch_size: int = 2,
+    seq_len: int = 8,
+    seed: int = 0,
+    dtype: torch.dtype | str | None = None,
+    **config_overrides: Any,
+) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """A randomly initialised causal LM in train mode, and example token ids ``[batch_size, seq_len]``."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(name_or_config_path)
+    _apply_overrides(config, config_overrides)
+    if batch_size < 1 or seq_len < 1:
+        raise MoecompileError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if max_pos is not None and seq_len > max_pos:
+        raise MoecompileError(f"seq_len {seq_len} exceeds the model's max_position_embeddings {max_pos}; lower seq_len")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    dt = _dtype(dtype)
+    if dt is not None:
+        model = model.to(dt)
+    model.train()
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=g)
+    return model, (ids,)
