@@ -16,9 +16,11 @@ from typing import Any
 
 from ..errors import PlanError
 from .experts import ExpertsConfig
+from .fp8 import FP8Config
+from .recompute import RecomputeConfig
 from .section import Section
 
-__all__ = ["Plan", "ExpertsConfig", "Section"]
+__all__ = ["Plan", "ExpertsConfig", "FP8Config", "RecomputeConfig", "Section"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +28,8 @@ class Plan:
     """What to do to the model; each field is one pass's section."""
 
     experts: ExpertsConfig = dataclasses.field(default_factory=ExpertsConfig)
+    fp8: FP8Config = dataclasses.field(default_factory=FP8Config)
+    recompute: RecomputeConfig = dataclasses.field(default_factory=RecomputeConfig)
 
     def __post_init__(self) -> None:
         types = _section_types()
