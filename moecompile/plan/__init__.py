@@ -17,10 +17,11 @@ from typing import Any
 from ..errors import PlanError
 from .experts import ExpertsConfig
 from .fp8 import FP8Config
+from .parallel import ParallelConfig
 from .recompute import RecomputeConfig
 from .section import Section
 
-__all__ = ["Plan", "ExpertsConfig", "FP8Config", "RecomputeConfig", "Section"]
+__all__ = ["Plan", "ExpertsConfig", "FP8Config", "ParallelConfig", "RecomputeConfig", "Section"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,7 @@ class Plan:
     """What to do to the model; each field is one pass's section."""
 
     experts: ExpertsConfig = dataclasses.field(default_factory=ExpertsConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     fp8: FP8Config = dataclasses.field(default_factory=FP8Config)
     recompute: RecomputeConfig = dataclasses.field(default_factory=RecomputeConfig)
 
@@ -43,6 +45,7 @@ class Plan:
 
     def validate(self) -> None:
         """Rules that span sections live here; per-section rules live in the section."""
+        self.parallel.check_against(self.experts)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "Plan":

@@ -1,0 +1,84 @@
+"""Plan section ``parallel``: how experts are spread over ranks and how tokens reach them.
+
+Static capacity is per source rank (GShard's "group" is one rank's micro-batch):
+each rank keeps at most ``C = ceil(capacity_factor * T_local * top_k / num_experts)``
+of its own tokens per expert, chosen by ``experts.drop_policy``. That is exactly
+what ``experts.capacity_factor`` does in a single process on that rank's batch, so
+changing ``ep`` or the dispatcher never changes which tokens are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Literal, Union
+
+from .section import Section, doc_field
+
+if TYPE_CHECKING:
+    from .experts import ExpertsConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig(Section):
+    name = "parallel"
+
+    ep: int = doc_field(
+        1, "Expert-parallel size: ranks sharing one layer's experts (rank r of a group keeps E/ep of them)."
+    )
+    dispatcher: Literal["alltoall", "allgather"] = doc_field(
+        "alltoall",
+        "How tokens reach their experts: all-to-all of the routed copies (bytes ~ T*k*H), or all-gather "
+        "of the tokens and reduce-scatter of the outputs (bytes ~ ep*T*H; no count exchange).",
+    )
+    dispatch_mode: Literal["dropless", "static"] = doc_field(
+        "dropless",
+        "dropless: exact per-expert counts, variable-size exchanges (one host sync per layer). static: "
+        "fixed capacity, padded fixed-size exchanges, no host sync (CUDA-graph capturable).",
+    )
+    capacity_factor: Union[float, None] = doc_field(
+        None,
+        "Static mode's capacity as a multiple of T_local*k/E (T_local: one rank's tokens); "
+        "null takes experts.capacity_factor. Setting both to different values is an error.",
+    )
+    timeout_s: float = doc_field(
+        300.0,
+        "Seconds a collective waits for its peers before failing with a DistributedError that names it "
+        "(a rank that raised or died must not hang the others).",
+    )
+
+    def validate(self) -> None:
+        if self.ep < 1:
+            self.fail("ep", "must be >= 1")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            self.fail("capacity_factor", "must be > 0, or null to use experts.capacity_factor")
+        if self.timeout_s <= 0:
+            self.fail("timeout_s", "must be > 0 seconds")
+
+    def static_capacity_factor(self, experts: "ExpertsConfig") -> float | None:
+        """The capacity factor static mode uses (None in dropless mode)."""
+        if self.dispatch_mode != "static":
+            return None
+        return self.capacity_factor if self.capacity_factor is not None else experts.capacity_factor
+
+    def check_against(self, experts: "ExpertsConfig") -> None:
+        """Rules between ``parallel`` and ``experts`` (called by ``Plan.validate``)."""
+        E = experts.num_experts
+        if E % self.ep:
+            self.fail("ep", f"must divide experts.num_experts={E} (each of the ep={self.ep} ranks keeps E/ep experts)")
+        ecf, pcf = experts.capacity_factor, self.capacity_factor
+        if self.dispatch_mode == "static":
+            if ecf is None and pcf is None:
+                self.fail("dispatch_mode", "'static' needs a capacity: set parallel.capacity_factor (e.g. 1.25)")
+            if ecf is not None and pcf is not None and ecf != pcf:
+                self.fail(
+                    "capacity_factor",
+                    f"differs from experts.capacity_factor={ecf}; one capacity applies, so set only one of them",
+                )
+        elif pcf is not None:
+            self.fail("capacity_factor", "only applies to dispatch_mode 'static'; set dispatch_mode: static or drop it")
+        elif ecf is not None and self.ep > 1:
+            self.fail(
+                "dispatch_mode",
+                f"'dropless' with experts.capacity_factor={ecf} (which drops tokens): set parallel.dispatch_mode: "
+                "static for fixed-capacity exchanges, or remove experts.capacity_factor",
+            )
