@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Literal, Union
 
@@ -103,6 +104,4 @@ class ExpertsConfig(Section):
         """Rows per expert in capacity mode (0 = dropless)."""
         if self.capacity_factor is None:
             return 0
-        import math
-
         return max(1, math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts))

@@ -9,6 +9,7 @@ plan fails at load time, not three passes later.
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
@@ -28,7 +29,7 @@ def _type_ok(value: Any, tp: Any) -> bool:
         return True
     if origin is Literal:
         return value in get_args(tp)
-    if origin in (Union, getattr(__import__("types"), "UnionType", Union)):
+    if origin in (Union, types.UnionType):
         return any(_type_ok(value, a) for a in get_args(tp))
     if origin in (list, tuple):
         (inner, *_) = get_args(tp) or (Any,)
