@@ -6,19 +6,33 @@ Legend: N rows (any leading shape), F expert FFN width; F2 = 2*F.
 
 Gate first, then up, as in Hugging Face Mixtral's fused `gate_up_proj`, so one
 grouped_mm produces both halves and this op finishes the SwiGLU/GeGLU.
+
+With `weight_N` (each permuted row's routing weight, 0 for padding rows) the
+op multiplies it in, so the combine can sum unweighted (unpermute with ones):
+
+    out_NF = silu(gate_NF) * up_NF * weight_N[:, None]      grad reaches weight_N too
 """
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import backend
+
 ACTS = ("silu", "gelu", "gelu_tanh", "relu")
 
 
-def _check(h_NF2: Tensor, act: str) -> None:
+def _check(h_NF2: Tensor, act: str, weight_N: Optional[Tensor] = None) -> None:
     if act not in ACTS:
         raise ValueError(f"glu: act must be one of {ACTS}, got {act!r}")
     if h_NF2.dim() < 1 or h_NF2.shape[-1] % 2 != 0:
         raise ValueError(f"glu: last dim must be even (gate | up), got shape {tuple(h_NF2.shape)}")
+    if weight_N is not None and (weight_N.shape != h_NF2.shape[:-1] or not weight_N.dtype.is_floating_point):
+        raise ValueError(
+            f"glu: weight_N must be a float tensor of shape {tuple(h_NF2.shape[:-1])} (one per row), "
+            f"got {weight_N.dtype} {tuple(weight_N.shape)}"
+        )
 
 
 def _act(x: Tensor, act: str) -> Tensor:
@@ -38,27 +52,28 @@ def _act_backward(grad: Tensor, x: Tensor, act: str) -> Tensor:
     return torch.ops.aten.gelu_backward(grad, x, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
-def glu_ref(h_NF2: Tensor, act: str) -> Tensor:
+def glu_ref(h_NF2: Tensor, act: str, weight_N: Optional[Tensor] = None) -> Tensor:
     """Pure-torch GLU: the CPU implementation and the test oracle."""
-    _check(h_NF2, act)
+    _check(h_NF2, act, weight_N)
     gate_NF, up_NF = h_NF2.chunk(2, dim=-1)
-    return _act(gate_NF, act) * up_NF
+    out_NF = _act(gate_NF, act) * up_NF
+    return out_NF if weight_N is None else out_NF * weight_N.to(out_NF.dtype).unsqueeze(-1)
 
 
 @torch.library.custom_op("moecompile::glu", mutates_args=())
-def _glu_op(h_NF2: Tensor, act: str) -> Tensor:
-    return glu_ref(h_NF2, act)
+def _glu_op(h_NF2: Tensor, act: str, weight_N: Optional[Tensor] = None) -> Tensor:
+    return backend.implementation("glu", h_NF2.device)(h_NF2, act, weight_N)
 
 
 @_glu_op.register_fake
-def _glu_fake(h_NF2, act):
-    _check(h_NF2, act)
+def _glu_fake(h_NF2, act, weight_N=None):
+    _check(h_NF2, act, weight_N)
     return h_NF2.new_empty((*h_NF2.shape[:-1], h_NF2.shape[-1] // 2))
 
 
 def _setup_context(ctx, inputs, output):
-    h_NF2, act = inputs
-    ctx.save_for_backward(h_NF2)
+    h_NF2, act, weight_N = inputs
+    ctx.save_for_backward(h_NF2, weight_N)
     ctx.act = act
 
 
@@ -69,14 +84,44 @@ def glu_backward(grad_NF: Tensor, h_NF2: Tensor, act: str) -> Tensor:
     return torch.cat([grad_gate_NF, grad_NF * _act(gate_NF, act)], dim=-1)
 
 
+def glu_backward_ref(
+    grad_NF: Tensor, h_NF2: Tensor, act: str, weight_N: Optional[Tensor]
+) -> tuple[Tensor, Tensor]:
+    """(grad_h, grad_weight); grad_weight[n] = <grad[n], act(gate[n]) * up[n]>, empty without weight."""
+    if weight_N is None:
+        return glu_backward(grad_NF, h_NF2, act), h_NF2.new_empty((0,))
+    w_N1 = weight_N.to(grad_NF.dtype).unsqueeze(-1)
+    grad_h = glu_backward(grad_NF * w_N1, h_NF2, act)
+    acc = torch.promote_types(h_NF2.dtype, torch.float32)
+    gate_NF, up_NF = h_NF2.to(acc).chunk(2, dim=-1)
+    grad_w_N = (grad_NF.to(acc) * _act(gate_NF, act) * up_NF).sum(-1)
+    return grad_h, grad_w_N.to(weight_N.dtype)
+
+
+@torch.library.custom_op("moecompile::glu_backward", mutates_args=())
+def _glu_backward_op(
+    grad_NF: Tensor, h_NF2: Tensor, act: str, weight_N: Optional[Tensor]
+) -> tuple[Tensor, Tensor]:
+    return backend.implementation("glu_backward", h_NF2.device)(grad_NF, h_NF2, act, weight_N)
+
+
+@_glu_backward_op.register_fake
+def _glu_backward_fake(grad_NF, h_NF2, act, weight_N):
+    grad_h = h_NF2.new_empty(h_NF2.shape, dtype=torch.promote_types(grad_NF.dtype, h_NF2.dtype))
+    return grad_h, h_NF2.new_empty((0,)) if weight_N is None else weight_N.new_empty(weight_N.shape)
+
+
 def _backward(ctx, grad_NF):
-    (h_NF2,) = ctx.saved_tensors
-    return glu_backward(grad_NF, h_NF2, ctx.act), None
+    h_NF2, weight_N = ctx.saved_tensors
+    grad_h, grad_w = torch.ops.moecompile.glu_backward(grad_NF.contiguous(), h_NF2, ctx.act, weight_N)
+    return grad_h, None, None if weight_N is None else grad_w
 
 
 _glu_op.register_autograd(_backward, setup_context=_setup_context)
+backend.register("glu", glu_ref, triton="glu_triton:glu_triton")
+backend.register("glu_backward", glu_backward_ref, triton="glu_triton:glu_backward_triton")
 
 
-def glu(h_NF2: Tensor, act: str = "silu") -> Tensor:
-    """act(h[..., :F]) * h[..., F:] for act in silu | gelu | gelu_tanh | relu."""
-    return torch.ops.moecompile.glu(h_NF2, act)
+def glu(h_NF2: Tensor, act: str = "silu", weight_N: Optional[Tensor] = None) -> Tensor:
+    """act(h[..., :F]) * h[..., F:] (* weight_N[..., None]) for act in silu | gelu | gelu_tanh | relu."""
+    return torch.ops.moecompile.glu(h_NF2, act, weight_N)

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import backend
+
 # dtypes torch._grouped_mm accepts on CPU; anything else (float64) takes the gather path.
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -91,17 +93,21 @@ def _segment_sum(v_NO: Tensor, group_sizes_E: Tensor) -> Tensor:
     return sums_EO.index_add_(0, _expert_of_row(group_sizes_E, N), v_NO.to(sums_EO.dtype)).to(v_NO.dtype)
 
 
+def _check_sizes(group_sizes_E: Tensor, N: int) -> None:
+    if group_sizes_E.device.type == "cpu":  # free to check here; on a GPU it would sync
+        if int(group_sizes_E.sum()) != N or bool((group_sizes_E < 0).any()):
+            raise ValueError(
+                f"grouped_mm: group_sizes_E must be >= 0 and sum to N={N}, got {group_sizes_E.tolist()}"
+            )
+
+
 def grouped_mm_ref(
     x_NI: Tensor, w_EOI: Tensor, group_sizes_E: Tensor, bias_EO: Optional[Tensor]
 ) -> Tensor:
     """Pure-torch grouped matmul: the CPU implementation and the test oracle."""
     _check(x_NI, w_EOI, group_sizes_E, bias_EO)
     N = x_NI.shape[0]
-    if group_sizes_E.device.type == "cpu":  # free to check here; on a GPU it would sync
-        if int(group_sizes_E.sum()) != N or bool((group_sizes_E < 0).any()):
-            raise ValueError(
-                f"grouped_mm: group_sizes_E must be >= 0 and sum to N={N}, got {group_sizes_E.tolist()}"
-            )
+    _check_sizes(group_sizes_E, N)
     y_NO = _grouped_nt(x_NI, w_EOI, group_sizes_E)
     if bias_EO is not None:
         y_NO = y_NO + bias_EO[_expert_of_row(group_sizes_E, N)]
@@ -112,7 +118,7 @@ def grouped_mm_ref(
 def _grouped_mm_op(
     x_NI: Tensor, w_EOI: Tensor, group_sizes_E: Tensor, bias_EO: Optional[Tensor]
 ) -> Tensor:
-    return grouped_mm_ref(x_NI, w_EOI, group_sizes_E, bias_EO)
+    return backend.implementation("grouped_mm", x_NI.device)(x_NI, w_EOI, group_sizes_E, bias_EO)
 
 
 @_grouped_mm_op.register_fake
@@ -129,6 +135,11 @@ def _grouped_mm_wgrad_op(grad_y_NO: Tensor, x_NI: Tensor, group_sizes_E: Tensor)
     accepts only bfloat16, so a traced backward (torch.compile, export) would
     fail in float32, and a device backend can swap in its own kernel here.
     """
+    return backend.implementation("grouped_mm_wgrad", x_NI.device)(grad_y_NO, x_NI, group_sizes_E)
+
+
+def grouped_mm_wgrad_ref(grad_y_NO: Tensor, x_NI: Tensor, group_sizes_E: Tensor) -> Tensor:
+    """Pure-torch weight gradient: the CPU implementation and the test oracle."""
     return _grouped_tn(grad_y_NO.contiguous(), x_NI, group_sizes_E)
 
 
@@ -160,6 +171,8 @@ def _backward(ctx, grad_y_NO):
 
 
 _grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+backend.register("grouped_mm", grouped_mm_ref, triton="grouped_mm_triton:grouped_mm_triton")
+backend.register("grouped_mm_wgrad", grouped_mm_wgrad_ref, triton="grouped_mm_triton:grouped_mm_wgrad_triton")
 
 
 def grouped_mm(

@@ -12,14 +12,35 @@ by expert. row_src_N names the assignment each permuted row came from (-1: pad).
 
 Static capacity gives fixed-size buffers (N = E*C), so dispatch needs no host
 sync and can sit inside a CUDA graph; load_E still counts what was dropped.
+
+align=a > 1 pads every expert's group to a multiple of a rows (FP8 GEMMs want
+16 / 32 / 128) with zero rows (row_src -1). Dropless, N stays static at the
+bound round_up(T*K + E*(a-1), a) and the last expert's group takes the slack;
+with capacity, C rounds up to a multiple of a (the extra slots keep tokens).
+
+    dropless, align=2, idx_TK = [[1, 0], [1, 2]]   (E=3, K=2): N = round_up(4 + 3, 2) = 8
+        row_src_N = [1, -1, 0, 2, 3, -1, -1, -1]   group_sizes_E = [2, 2, 4]
 """
 import torch
 from torch import Tensor
 
+from . import backend
+
 DROP_POLICIES = ("position", "probs")
 
 
-def _check(x_TH, idx_TK, weights_TK, num_experts, capacity, drop_policy) -> None:
+def _round_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def permuted_rows(T: int, K: int, num_experts: int, capacity: int, align: int = 1) -> int:
+    """N, the number of rows `permute` returns (static: shapes never depend on the routing)."""
+    if capacity:
+        return num_experts * _round_up(capacity, align)
+    return T * K if align == 1 else _round_up(T * K + num_experts * (align - 1), align)
+
+
+def _check(x_TH, idx_TK, weights_TK, num_experts, capacity, drop_policy, align=1) -> None:
     if x_TH.dim() != 2 or idx_TK.dim() != 2:
         raise ValueError(
             f"permute: need x_TH [T, H] and idx_TK [T, K], got shapes "
@@ -38,6 +59,8 @@ def _check(x_TH, idx_TK, weights_TK, num_experts, capacity, drop_policy) -> None
         )
     if drop_policy not in DROP_POLICIES:
         raise ValueError(f"permute: drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+    if align < 1:
+        raise ValueError(f"permute: align must be >= 1 rows (1: no padding), got {align}")
 
 
 def _check_idx_values(idx_TK: Tensor, num_experts: int) -> None:
@@ -63,18 +86,35 @@ def _kept_assignments(idx_A, weights_A, load_E, capacity, drop_policy) -> Tensor
     return rank_A < capacity
 
 
+def _dropless_padded(x_TH, idx_A, order_N, load_E, K, align):
+    """Dropless rows with each expert's group padded to a multiple of `align` (module doc)."""
+    E, A = load_E.shape[0], idx_A.shape[0]
+    N = permuted_rows(x_TH.shape[0], K, E, 0, align)
+    sizes_E = (load_E + align - 1) // align * align
+    sizes_E[-1] += N - sizes_E.sum()
+    expert_S = idx_A[order_N]
+    rank_S = torch.arange(A, device=idx_A.device) - (torch.cumsum(load_E, 0) - load_E)[expert_S]
+    dest_S = (torch.cumsum(sizes_E, 0) - sizes_E)[expert_S] + rank_S
+    row_src_N = torch.full((N,), -1, dtype=torch.int64, device=idx_A.device).scatter_(0, dest_S, order_N)
+    x_NH = x_TH[row_src_N.clamp(min=0) // K].masked_fill((row_src_N < 0).unsqueeze(1), 0)
+    return x_NH, row_src_N, sizes_E, load_E
+
+
 def permute_ref(
-    x_TH: Tensor, idx_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity: int, drop_policy: str
+    x_TH: Tensor, idx_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity: int, drop_policy: str,
+    align: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Pure-torch dispatch: the CPU implementation and the test oracle."""
-    _check(x_TH, idx_TK, weights_TK, num_experts, capacity, drop_policy)
+    _check(x_TH, idx_TK, weights_TK, num_experts, capacity, drop_policy, align)
     _check_idx_values(idx_TK, num_experts)
-    E, K, C = num_experts, idx_TK.shape[1], capacity
+    E, K, C = num_experts, idx_TK.shape[1], _round_up(capacity, align)
     idx_A = idx_TK.reshape(-1).long()
     load_E = torch.zeros(E, dtype=torch.int64, device=idx_A.device).index_add_(
         0, idx_A, torch.ones_like(idx_A)
     )
     order_N = torch.argsort(idx_A, stable=True)  # assignments grouped by expert, ascending a
+    if C == 0 and align > 1:
+        return _dropless_padded(x_TH, idx_A, order_N, load_E, K, align)
     if C == 0:
         return x_TH[order_N // K], order_N, load_E.clone(), load_E
     kept_A = _kept_assignments(idx_A, weights_TK.reshape(-1), load_E, C, drop_policy)
@@ -92,16 +132,18 @@ def permute_ref(
 
 @torch.library.custom_op("moecompile::permute", mutates_args=())
 def _permute_op(
-    x_TH: Tensor, idx_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity: int, drop_policy: str
+    x_TH: Tensor, idx_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity: int, drop_policy: str,
+    align: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return permute_ref(x_TH, idx_TK, weights_TK, num_experts, capacity, drop_policy)
+    impl = backend.implementation("permute", x_TH.device)
+    return impl(x_TH, idx_TK, weights_TK, num_experts, capacity, drop_policy, align)
 
 
 @_permute_op.register_fake
-def _permute_fake(x_TH, idx_TK, weights_TK, num_experts, capacity, drop_policy):
-    _check(x_TH, idx_TK, weights_TK, num_experts, capacity, drop_policy)
+def _permute_fake(x_TH, idx_TK, weights_TK, num_experts, capacity, drop_policy, align=1):
+    _check(x_TH, idx_TK, weights_TK, num_experts, capacity, drop_policy, align)
     T, K = idx_TK.shape
-    N = T * K if capacity == 0 else num_experts * capacity
+    N = permuted_rows(T, K, num_experts, capacity, align)
     x_NH = x_TH.new_empty((N, x_TH.shape[1]))
     row_src_N = x_TH.new_empty((N,), dtype=torch.int64)
     group_sizes_E = x_TH.new_empty((num_experts,), dtype=torch.int64)
@@ -122,13 +164,28 @@ def permute_backward(grad_x_NH: Tensor, row_src_N: Tensor, num_tokens: int, K: i
     return grad_x_TH.index_add_(0, row_src_N.clamp(min=0) // K, grad_x_NH.masked_fill(pad_N1, 0))
 
 
+@torch.library.custom_op("moecompile::permute_backward", mutates_args=())
+def _permute_backward_op(grad_x_NH: Tensor, row_src_N: Tensor, num_tokens: int, K: int) -> Tensor:
+    impl = backend.implementation("permute_backward", grad_x_NH.device)
+    return impl(grad_x_NH, row_src_N, num_tokens, K)
+
+
+@_permute_backward_op.register_fake
+def _permute_backward_fake(grad_x_NH, row_src_N, num_tokens, K):
+    return grad_x_NH.new_empty((num_tokens, grad_x_NH.shape[1]))
+
+
 def _backward(ctx, grad_x_NH, *_int_grads):
     (row_src_N,) = ctx.saved_tensors
-    grad_x_TH = None if grad_x_NH is None else permute_backward(grad_x_NH, row_src_N, ctx.T, ctx.K)
-    return grad_x_TH, None, None, None, None, None
+    grad_x_TH = None
+    if grad_x_NH is not None:
+        grad_x_TH = torch.ops.moecompile.permute_backward(grad_x_NH.contiguous(), row_src_N, ctx.T, ctx.K)
+    return grad_x_TH, None, None, None, None, None, None
 
 
 _permute_op.register_autograd(_backward, setup_context=_setup_context)
+backend.register("permute", permute_ref, triton="permute_triton:permute_triton")
+backend.register("permute_backward", permute_backward, triton="permute_triton:permute_backward_triton")
 
 
 def permute(
@@ -138,12 +195,14 @@ def permute(
     num_experts: int,
     capacity: int = 0,
     drop_policy: str = "position",
+    align: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Dispatch: `(x_NH, row_src_N, group_sizes_E, load_E)`, rows grouped by expert.
 
     capacity=0 is dropless (N = T*K); capacity=C > 0 gives N = E*C with expert
     e in rows [e*C, (e+1)*C), overflow dropped by `drop_policy` ("position"
     keeps the earliest assignments, "probs" the highest weights). weights_TK
-    only decides what is dropped and gets no gradient.
+    only decides what is dropped and gets no gradient. align > 1 pads each
+    group to a multiple of align rows (module doc).
     """
-    return torch.ops.moecompile.permute(x_TH, idx_TK, weights_TK, num_experts, capacity, drop_policy)
+    return torch.ops.moecompile.permute(x_TH, idx_TK, weights_TK, num_experts, capacity, drop_policy, align)

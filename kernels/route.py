@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import backend
+
 SCORES = ("softmax", "sigmoid")
 # Only sigmoid scores can all be ~0 in a row; softmax rows always sum > 0.
 _SIGMOID_EPS = 1e-20
@@ -61,7 +63,8 @@ def route_ref(
 def _route_op(
     logits_TE: Tensor, bias_E: Optional[Tensor], k: int, score: str, normalize: bool
 ) -> tuple[Tensor, Tensor]:
-    return route_ref(logits_TE, bias_E, k, score, normalize)
+    impl = backend.implementation("route", logits_TE.device)
+    return impl(logits_TE, bias_E, k, score, normalize)
 
 
 @_route_op.register_fake
@@ -79,26 +82,50 @@ def _setup_context(ctx, inputs, output):
     ctx.score, ctx.normalize = score, normalize
 
 
-def _backward(ctx, grad_weights_TK, _grad_idx):
+def route_backward_ref(
+    grad_weights_TK: Tensor, logits_TE: Tensor, weights_TK: Tensor, idx_TK: Tensor, score: str, normalize: bool
+) -> Tensor:
     """Analytic vjp with the selection (idx) held fixed; only logits get a grad."""
-    logits_TE, weights_TK, idx_TK = ctx.saved_tensors
-    if grad_weights_TK is None:
-        return None, None, None, None, None
-    scores_TE = _scores(logits_TE, ctx.score)
+    scores_TE = _scores(logits_TE, score)
     g_TK = grad_weights_TK.to(scores_TE.dtype)
-    if ctx.normalize:  # w = raw / d  =>  d raw = (g - <g, w>) / d
-        eps = _SIGMOID_EPS if ctx.score == "sigmoid" else 0.0
+    if normalize:  # w = raw / d  =>  d raw = (g - <g, w>) / d
+        eps = _SIGMOID_EPS if score == "sigmoid" else 0.0
         denom_T1 = scores_TE.gather(-1, idx_TK).sum(-1, keepdim=True) + eps
         g_TK = (g_TK - (g_TK * weights_TK).sum(-1, keepdim=True)) / denom_T1
     g_TE = torch.zeros_like(scores_TE).scatter_add_(-1, idx_TK, g_TK)
-    if ctx.score == "softmax":
+    if score == "softmax":
         g_TE = scores_TE * (g_TE - (g_TE * scores_TE).sum(-1, keepdim=True))
     else:
         g_TE = g_TE * scores_TE * (1 - scores_TE)
-    return g_TE.to(logits_TE.dtype), None, None, None, None
+    return g_TE.to(logits_TE.dtype)
+
+
+@torch.library.custom_op("moecompile::route_backward", mutates_args=())
+def _route_backward_op(
+    grad_weights_TK: Tensor, logits_TE: Tensor, weights_TK: Tensor, idx_TK: Tensor, score: str, normalize: bool
+) -> Tensor:
+    impl = backend.implementation("route_backward", logits_TE.device)
+    return impl(grad_weights_TK, logits_TE, weights_TK, idx_TK, score, normalize)
+
+
+@_route_backward_op.register_fake
+def _route_backward_fake(grad_weights_TK, logits_TE, weights_TK, idx_TK, score, normalize):
+    return logits_TE.new_empty(logits_TE.shape)
+
+
+def _backward(ctx, grad_weights_TK, _grad_idx):
+    logits_TE, weights_TK, idx_TK = ctx.saved_tensors
+    if grad_weights_TK is None:
+        return None, None, None, None, None
+    grad_logits_TE = torch.ops.moecompile.route_backward(
+        grad_weights_TK.contiguous(), logits_TE, weights_TK, idx_TK, ctx.score, ctx.normalize
+    )
+    return grad_logits_TE, None, None, None, None
 
 
 _route_op.register_autograd(_backward, setup_context=_setup_context)
+backend.register("route", route_ref, triton="route_triton:route_triton")
+backend.register("route_backward", route_backward_ref, triton="route_triton:route_backward_triton")
 
 
 def route(

@@ -12,6 +12,8 @@ nothing, and a token with no surviving rows comes out as zeros.
 import torch
 from torch import Tensor
 
+from . import backend
+
 
 def _check(y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, num_tokens: int) -> None:
     if y_NH.dim() != 2 or row_src_N.dim() != 1 or weights_TK.dim() != 2:
@@ -52,7 +54,8 @@ def unpermute_ref(y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, num_token
 
 @torch.library.custom_op("moecompile::unpermute", mutates_args=())
 def _unpermute_op(y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, num_tokens: int) -> Tensor:
-    return unpermute_ref(y_NH, row_src_N, weights_TK, num_tokens)
+    impl = backend.implementation("unpermute", y_NH.device)
+    return impl(y_NH, row_src_N, weights_TK, num_tokens)
 
 
 @_unpermute_op.register_fake
@@ -79,13 +82,31 @@ def unpermute_backward(
     return grad_y_NH, grad_w_A.reshape(weights_TK.shape).to(weights_TK.dtype)
 
 
+@torch.library.custom_op("moecompile::unpermute_backward", mutates_args=())
+def _unpermute_backward_op(
+    grad_TH: Tensor, y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor
+) -> tuple[Tensor, Tensor]:
+    impl = backend.implementation("unpermute_backward", grad_TH.device)
+    return impl(grad_TH, y_NH, row_src_N, weights_TK)
+
+
+@_unpermute_backward_op.register_fake
+def _unpermute_backward_fake(grad_TH, y_NH, row_src_N, weights_TK):
+    grad_dtype = torch.promote_types(grad_TH.dtype, y_NH.dtype)
+    return y_NH.new_empty(y_NH.shape, dtype=grad_dtype), weights_TK.new_empty(weights_TK.shape)
+
+
 def _backward(ctx, grad_TH):
     y_NH, row_src_N, weights_TK = ctx.saved_tensors
-    grad_y_NH, grad_weights_TK = unpermute_backward(grad_TH, y_NH, row_src_N, weights_TK)
+    grad_y_NH, grad_weights_TK = torch.ops.moecompile.unpermute_backward(
+        grad_TH.contiguous(), y_NH, row_src_N, weights_TK
+    )
     return grad_y_NH, None, grad_weights_TK, None
 
 
 _unpermute_op.register_autograd(_backward, setup_context=_setup_context)
+backend.register("unpermute", unpermute_ref, triton="unpermute_triton:unpermute_triton")
+backend.register("unpermute_backward", unpermute_backward, triton="unpermute_triton:unpermute_backward_triton")
 
 
 def unpermute(y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, num_tokens: int) -> Tensor:
