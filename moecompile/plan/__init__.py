@@ -15,13 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PlanError
+from .cuda_graph import CudaGraphConfig
 from .experts import ExpertsConfig
 from .fp8 import FP8Config
 from .parallel import ParallelConfig
 from .recompute import RecomputeConfig
 from .section import Section
 
-__all__ = ["Plan", "ExpertsConfig", "FP8Config", "ParallelConfig", "RecomputeConfig", "Section"]
+__all__ = ["Plan", "CudaGraphConfig", "ExpertsConfig", "FP8Config", "ParallelConfig", "RecomputeConfig", "Section"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Plan:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     fp8: FP8Config = dataclasses.field(default_factory=FP8Config)
     recompute: RecomputeConfig = dataclasses.field(default_factory=RecomputeConfig)
+    cuda_graph: CudaGraphConfig = dataclasses.field(default_factory=CudaGraphConfig)
 
     def __post_init__(self) -> None:
         types = _section_types()
@@ -46,6 +48,7 @@ class Plan:
     def validate(self) -> None:
         """Rules that span sections live here; per-section rules live in the section."""
         self.parallel.check_against(self.experts)
+        self.cuda_graph.check_against(self.parallel)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "Plan":

@@ -43,6 +43,9 @@ class ExpertsConfig(Section):
     expert_bias: bool = doc_field(
         False, "Aux-loss-free balancing: a per-expert bias added to the scores for selection only."
     )
+    expert_bias_rate: float = doc_field(
+        1e-3, "Bias update per step (DeepSeek-V3's gamma): b_e += rate * sign(mean load - load_e)."
+    )
     seed: int = doc_field(0, "Seed of the router initialisation (with the layer name; the same on every rank).")
     router_noise: float = doc_field(
         0.0, "Std of noise added to upcycled router rows so experts can diverge; 0 keeps exact equivalence."
@@ -62,7 +65,7 @@ class ExpertsConfig(Section):
             self.fail("top_k", f"must be a multiple of granularity ({G}) so a token can take whole FFN copies")
         if self.shared_experts < 0:
             self.fail("shared_experts", "must be >= 0")
-        for coeff in ("aux_loss_coeff", "z_loss_coeff", "router_noise"):
+        for coeff in ("aux_loss_coeff", "z_loss_coeff", "router_noise", "expert_bias_rate"):
             if getattr(self, coeff) < 0:
                 self.fail(coeff, "must be >= 0")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
