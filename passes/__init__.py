@@ -1,3 +1,4 @@
 """Built-in passes; importing this package registers them with the pass manager."""
 
 from . import find_ffn, upcycle  # noqa: F401
+from . import fp8  # noqa: F401
