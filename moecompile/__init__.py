@@ -17,10 +17,12 @@ from .frontend import trace
 
 # driver: built on the passes
 from .convert import ConversionResult, convert
+from .train_step import StepMetrics, TrainStep, build_train_step
 
 __all__ = [
     "ConversionResult", "DistributedError", "KernelError", "MoecompileError", "Options", "PassContext",
     "PassError", "Plan", "PlanError", "Role", "TraceError", "convert", "register_pass", "register_verifier",
     "registered_passes", "trace",
 ]
+__all__ += ["StepMetrics", "TrainStep", "build_train_step"]
 __version__ = "0.1.0"

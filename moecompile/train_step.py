@@ -1,0 +1,299 @@
+"""``moecompile.build_train_step``: the compiler's output, one call per training step.
+
+    step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3))
+    for x, y in data:
+        m = step(x, y)          # StepMetrics: loss, router losses, tokens/s, expert load
+    step.save("ckpt")           # torch.distributed.checkpoint; each rank writes its experts
+    step.load("ckpt")
+
+One call runs::
+
+    forward (bf16 autocast optional)  ->  loss_fn(output, y) + result.router_loss()
+    -> backward into flat gradient buckets  ->  bucketed all-reduce (dense: dp, experts: edp)
+    -> optional clipping by the global norm  ->  optimizer step  (fp32 master weights if the
+    model is bf16)  ->  expert-bias update from the global per-expert load  ->  metrics
+
+Metrics are reduced over the data-parallel group in one small collective, launched after
+the forward and waited on after the backward. ``cuda_graph.mode`` picks how the step runs
+(moecompile.cuda_graphs); on CPU it runs eagerly and says so once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .errors import MoecompileError
+from .grad_sync import GradBuckets, expert_parameters, moe_blocks
+
+log = logging.getLogger(__name__)
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+LossFn = Callable[[Any, Any], torch.Tensor]
+PRECISIONS = ("fp32", "bf16")
+
+
+def causal_lm_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy; ``targets`` are already shifted (position i predicts targets[i])."""
+    logits = getattr(output, "logits", None)
+    if logits is None:
+        logits = output[0] if isinstance(output, (tuple, list)) else output
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
+
+
+@dataclasses.dataclass
+class StepMetrics:
+    """What one step measured; losses are means over the global batch (every rank agrees)."""
+
+    step: int
+    loss: float  # lm loss + plan-weighted router losses
+    lm_loss: float
+    router_losses: dict[str, float]  # each router loss (unweighted), averaged over layers
+    tokens: int  # tokens in the global batch
+    time_s: float
+    expert_load: dict[str, list[int]]  # layer -> tokens routed to each expert, whole global batch
+    grad_norm: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.time_s if self.time_s > 0 else float("inf")
+
+    def load_balance(self) -> dict[str, float]:
+        """Per layer: max expert load / mean expert load (1.0 is perfectly balanced)."""
+        out = {}
+        for layer, load in self.expert_load.items():
+            mean = sum(load) / len(load)
+            out[layer] = max(load) / mean if mean else float("nan")
+        return out
+
+
+class TrainStep:
+    """A compiled training step over ``result.module``; see the module docstring."""
+
+    def __init__(
+        self,
+        result: Any,
+        optimizer: OptimizerFactory | None = None,
+        loss_fn: LossFn | None = None,
+        *,
+        world: Any = None,
+        clip_grad_norm: float | None = None,
+        precision: str | None = None,
+        bucket_mb: float = 25.0,
+        expert_bias_rate: float | None = None,
+        cuda_graph: str | None = None,
+    ):
+        self.result = result
+        self.module: nn.Module = result.module
+        self.plan = result.plan
+        self.world = world if world is not None else getattr(result.context, "world", None)
+        self.loss_fn = loss_fn or causal_lm_loss
+        self.clip_grad_norm = clip_grad_norm
+        params = dict(self.module.named_parameters())
+        if not params:
+            raise MoecompileError("the converted module has no parameters to train")
+        self.device = next(iter(params.values())).device
+        self.precision = precision or ("bf16" if self.device.type == "cuda" else "fp32")
+        if self.precision not in PRECISIONS:
+            raise MoecompileError(f"precision {self.precision!r} is not one of {PRECISIONS}")
+        self.expert_names = set(expert_parameters(self.module))
+        self.buckets = GradBuckets(params.items(), self.expert_names, self.world, bucket_mb)
+        self.trainable = {n: p for n, p in params.items() if p.requires_grad}
+        # bf16 parameters train through fp32 master copies; fp32 ones are their own masters
+        self.masters: dict[str, nn.Parameter] = {}
+        if any(p.dtype != torch.float32 for p in self.trainable.values()):
+            self.masters = {n: nn.Parameter(p.detach().float().clone()) for n, p in self.trainable.items()}
+        opt_params = list((self.masters or self.trainable).values())
+        factory = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+        self.optimizer = factory(opt_params)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise MoecompileError(
+                f"optimizer must be a factory params -> torch.optim.Optimizer, it returned {type(self.optimizer).__name__}"
+            )
+        self.bias_rate = expert_bias_rate if expert_bias_rate is not None else self.plan.experts.expert_bias_rate
+        self.biases = self._expert_biases()
+        self.step_count = 0
+        self.forward_module: nn.Module = self.module  # a runner may swap in a split copy (same parameters)
+        self.autocast_cache = True
+        from .cuda_graphs import make_runner
+
+        mode = cuda_graph if cuda_graph is not None else self.plan.cuda_graph.mode
+        self.runner = make_runner(self, mode)
+
+    # ------------------------------------------------------------------ one step
+
+    def __call__(self, inputs: Any, targets: Any = None) -> StepMetrics:
+        """Run one step on this rank's batch: ``step(x, y)`` or ``step((x, y))``."""
+        if targets is None:
+            if not (isinstance(inputs, (tuple, list)) and len(inputs) == 2):
+                raise MoecompileError("call the step as step(inputs, targets) or step((inputs, targets))")
+            inputs, targets = inputs
+        start = time.perf_counter()
+        out = self.runner(inputs, targets)
+        return self._metrics(out, time.perf_counter() - start)
+
+    def compute(self, inputs: Any, targets: Any) -> dict[str, Any]:
+        """The whole step as tensor work (no host sync): what a CUDA graph captures."""
+        self.buckets.prepare()
+        with self._autocast():
+            output = self._forward(inputs)
+            lm = self.loss_fn(output, targets)
+        stats = self.module.moe_stats
+        router = self.result.router_loss()
+        loss = lm + router
+        reduced, handle = self._reduce_stats(lm, loss, stats, targets)
+        loss.backward()
+        self.buckets.sync()
+        norm = self.buckets.clip_(self.clip_grad_norm) if self.clip_grad_norm is not None else None
+        if self.masters:
+            for name, p in self.trainable.items():
+                self.masters[name].grad = p.grad.float()
+        self.optimizer.step()
+        if self.masters:
+            with torch.no_grad():
+                for name, p in self.trainable.items():
+                    p.copy_(self.masters[name])
+        if handle is not None:
+            handle.wait()
+        self._update_biases(reduced)
+        return {"stats": reduced, "grad_norm": norm}
+
+    def _forward(self, inputs: Any) -> Any:
+        if isinstance(inputs, dict):
+            return self.forward_module(**inputs)
+        if isinstance(inputs, (tuple, list)):
+            return self.forward_module(*inputs)
+        return self.forward_module(inputs)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.precision == "bf16" and not self.masters:
+            _register_moe_autocast(self.device.type)
+            return torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=self.autocast_cache)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ metrics and expert bias
+
+    def _stat_layout(self) -> tuple[list[str], list[tuple[str, int]]]:
+        names = sorted({k for d in self.module.moe_stats.losses.values() for k in d})
+        loads = [(layer, int(v.numel())) for layer, v in sorted(self.module.moe_stats.load.items())]
+        return names, loads
+
+    def _reduce_stats(self, lm: torch.Tensor, loss: torch.Tensor, stats: Any, targets: Any):
+        """[loss, lm, tokens, router losses (layer means), loads...] summed over dp, in float64."""
+        names, loads = self._stat_layout()
+        parts = [loss.detach().double().reshape(1), lm.detach().double().reshape(1),
+                 torch.full((1,), float(_numel(targets)), dtype=torch.float64, device=self.device)]
+        for name in names:
+            values = [d[name].detach().double() for d in stats.losses.values() if name in d]
+            parts.append((sum(values) / len(values)).reshape(1).to(self.device))
+        parts += [stats.load[layer].double().reshape(-1).to(self.device) for layer, _ in loads]
+        flat = torch.cat(parts)
+        dp = getattr(self.world, "dp_group", None) if self.world is not None else None
+        if dp is None or dist.get_world_size(dp) == 1:
+            return flat, None
+        return flat, dist.all_reduce(flat, group=dp, async_op=True)
+
+    def _expert_biases(self) -> dict[str, torch.Tensor]:
+        if not self.plan.experts.expert_bias:
+            return {}
+        buffers = dict(self.module.named_buffers())
+        out = {}
+        for layer, info in moe_blocks(self.module).items():
+            name = info["params"].get("bias")
+            if name in buffers:
+                out[layer] = buffers[name]
+        return out
+
+    def _update_biases(self, reduced: torch.Tensor) -> None:
+        """DeepSeek-V3 aux-loss-free balancing: b_e += rate * sign(mean load - load_e), global load."""
+        if not self.biases:
+            return
+        names, loads = self._stat_layout()
+        offset = 3 + len(names)
+        with torch.no_grad():
+            for layer, n in loads:
+                load = reduced[offset : offset + n]
+                offset += n
+                if layer in self.biases:
+                    b = self.biases[layer]
+                    b.add_((load.mean() - load).sign().to(b.dtype) * self.bias_rate)
+
+    def _metrics(self, out: dict[str, Any], seconds: float) -> StepMetrics:
+        self.step_count += 1
+        names, loads = self._stat_layout()
+        flat = out["stats"].tolist()
+        dp_size = self.buckets.dp_size
+        offset = 3 + len(names)
+        load = {}
+        for layer, n in loads:
+            load[layer] = [int(round(v)) for v in flat[offset : offset + n]]
+            offset += n
+        norm = out.get("grad_norm")
+        return StepMetrics(
+            step=self.step_count, loss=flat[0] / dp_size, lm_loss=flat[1] / dp_size,
+            router_losses={name: flat[3 + i] / dp_size for i, name in enumerate(names)},
+            tokens=int(flat[2]), time_s=seconds, expert_load=load,
+            grad_norm=None if norm is None else float(norm),
+        )
+
+    # ------------------------------------------------------------------ state
+
+    def save(self, path: str) -> None:
+        """Write model, optimizer, RNG and step count (see moecompile.checkpoint)."""
+        from .checkpoint import save
+
+        save(self, path)
+
+    def load(self, path: str) -> None:
+        """Restore what ``save`` wrote, at this step's expert-parallel layout (any ep)."""
+        from .checkpoint import load
+
+        load(self, path)
+
+
+def _numel(t: Any) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel()
+    if isinstance(t, dict) and "labels" in t:
+        return t["labels"].numel()
+    raise MoecompileError("targets must be a tensor (the next-token ids, one per input position)")
+
+
+_AUTOCAST_DONE: set[str] = set()
+_AUTOCAST_OPS = ("moecompile::grouped_mm",)  # the expert GEMMs; route / permute / combine keep their dtypes
+
+
+def _register_moe_autocast(device_type: str) -> None:
+    """Let autocast run the expert GEMMs in bf16 like the dense linears (once per device type)."""
+    if device_type in _AUTOCAST_DONE:
+        return
+    for op in _AUTOCAST_OPS:
+        torch.library.register_autocast(op, device_type, torch.bfloat16)
+    _AUTOCAST_DONE.add(device_type)
+
+
+def build_train_step(
+    result: Any,
+    optimizer: OptimizerFactory | None = None,
+    loss_fn: LossFn | None = None,
+    **options: Any,
+) -> TrainStep:
+    """The training step for a ``convert`` result.
+
+    ``optimizer``: a factory ``params -> torch.optim.Optimizer`` (default AdamW, lr 1e-3); the
+    step builds the optimizer over the parameters it owns (fp32 masters for a bf16 model).
+    ``loss_fn(output, targets)``: default next-token cross-entropy on ``output.logits``.
+    Options: ``world`` (default: the one ``convert`` used), ``clip_grad_norm``, ``precision``
+    ("fp32" | "bf16"; default bf16 on CUDA, fp32 on CPU), ``bucket_mb`` (gradient bucket size),
+    ``expert_bias_rate`` (default ``plan.experts.expert_bias_rate``), ``cuda_graph``
+    ("none" | "partial" | "full"; default ``plan.cuda_graph.mode``).
+    """
+    return TrainStep(result, optimizer, loss_fn, **options)
