@@ -17,12 +17,14 @@ from .frontend import trace
 
 # driver: built on the passes
 from .convert import ConversionResult, convert
+from .diff import diff
+from . import visualize  # the package is callable: mc.visualize(result, "graph.html")
 from .train_step import StepMetrics, TrainStep, build_train_step
 
 __all__ = [
     "ConversionResult", "DistributedError", "KernelError", "MoecompileError", "Options", "PassContext",
-    "PassError", "Plan", "PlanError", "Role", "TraceError", "convert", "register_pass", "register_verifier",
-    "registered_passes", "trace",
+    "PassError", "Plan", "PlanError", "Role", "TraceError", "convert", "diff", "register_pass", "register_verifier",
+    "registered_passes", "trace", "visualize",
 ]
 __all__ += ["StepMetrics", "TrainStep", "build_train_step"]
 __version__ = "0.1.0"
