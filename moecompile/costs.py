@@ -23,7 +23,7 @@ from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
-from torch.utils.flop_counter import FlopCounterMode, bmm_flop, flop_registry, register_flop_formula
+from torch.utils.flop_counter import FlopCounterMode, bmm_flop, flop_registry, register_flop_formula, shape_wrapper
 
 import moecompile.kernels  # noqa: F401  (defines torch.ops.moecompile.*)
 
@@ -52,16 +52,23 @@ def _grouped_mm_wgrad_flop(grad_shape, x_shape, sizes_shape, out_shape=None, **k
     return 2 * n * o * x_shape[1]
 
 
-def _register_moe_formulas() -> None:
-    for packet, formula in (
-        (torch.ops.moecompile.grouped_mm, _grouped_mm_flop),
-        (torch.ops.moecompile.grouped_mm_wgrad, _grouped_mm_wgrad_flop),
-    ):
-        if packet not in flop_registry:  # importing twice (reload) must not raise "duplicate"
+_MOE_FORMULAS = {"grouped_mm": _grouped_mm_flop, "grouped_mm_wgrad": _grouped_mm_wgrad_flop}
+
+
+def register_moe_formulas() -> None:
+    """Teach ``torch.utils.flop_counter`` the moecompile GEMMs (idempotent).
+
+    Checked again before counting: if the ops were defined a second time (the repo's
+    ``kernels/`` imported as a top-level package), torch holds new op objects that
+    need their own entry.
+    """
+    for name, formula in _MOE_FORMULAS.items():
+        packet = getattr(torch.ops.moecompile, name)
+        if packet not in flop_registry:
             register_flop_formula(packet)(formula)
 
 
-_register_moe_formulas()
+register_moe_formulas()
 
 
 def _sdpa_flop(q, k, v, *args: Any, **kwargs: Any) -> int:
@@ -153,6 +160,14 @@ def _fake_mode(values: Iterable[Any]) -> Any:
     return None
 
 
+def _formula_by_name(qualname: str) -> Any:
+    """A formula for an op whose object is not the registered one (the op was defined again)."""
+    namespace, _, name = qualname.partition(".")
+    if namespace == "moecompile" and name in _MOE_FORMULAS:
+        return shape_wrapper(_MOE_FORMULAS[name])
+    return next((f for k, f in flop_registry.items() if str(k) == qualname), None)
+
+
 def node_flops(node: fx.Node) -> int | None:
     """Forward FLOPs of one node (0 for ops without matmul work); None if it could not be counted."""
     target = node.target
@@ -163,8 +178,9 @@ def node_flops(node: fx.Node) -> int | None:
     try:
         if packet in _LOCAL_FORMULAS:
             return _concrete(_LOCAL_FORMULAS[packet](*args, **kwargs))
-        if packet in flop_registry:
-            return _concrete(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
+        formula = flop_registry.get(packet) or _formula_by_name(str(packet))
+        if formula is not None:
+            return _concrete(formula(*args, **kwargs, out_val=node.meta.get("val")))
         if not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd"):
             return 0
         mode = _fake_mode([args, kwargs])
@@ -239,6 +255,7 @@ def count_tokens(graph: fx.Graph) -> int:
 def graph_costs(graph: fx.Graph | fx.GraphModule) -> GraphCosts:
     """FLOPs, activation, parameter and communication bytes of one forward graph."""
     graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+    register_moe_formulas()
     flops_by_op: collections.Counter[str] = collections.Counter()
     flops_by_role: collections.Counter[str] = collections.Counter()
     comm_by_op: collections.Counter[str] = collections.Counter()
