@@ -1,0 +1,199 @@
+"""``moecompile.export_hf``: a converted (and trained) model as a Hugging Face MoE checkpoint.
+
+    mc.export_hf(result, "out/", arch="mixtral", config=dense.config)     # Llama / Mistral source
+    mc.export_hf(result, "out/", arch="qwen3_moe", config=dense.config)   # Qwen3 source
+    AutoModelForCausalLM.from_pretrained("out/")    # same logits as result.module
+
+Writes ``config.json`` and ``model.safetensors`` in transformers 5's layout, where a
+layer's experts are fused 3-D parameters, exactly moecompile's own::
+
+    <layer>.router.weight        [E, H]        -> <layer>.gate.weight
+    <layer>.experts.w_gate_up    [E, 2F, H]    -> <layer>.experts.gate_up_proj   (gate rows first)
+    <layer>.experts.w_down       [E, H, F]     -> <layer>.experts.down_proj
+
+Everything else keeps its name. With ep > 1 every rank calls it; the experts are gathered
+over the expert-parallel group and rank 0 writes. What the target cannot express (shared
+experts, sigmoid scores, a selection bias, FFN biases, fine-grained experts into Mixtral,
+dense layers into Mixtral...) is an :class:`ExportError` that says what to change.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import MoecompileError
+from .grad_sync import moe_blocks
+
+log = logging.getLogger(__name__)
+ARCHS = {"mixtral": ("MixtralConfig", "MixtralForCausalLM", ("llama", "mistral", "mixtral")),
+         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", ("qwen3", "qwen3_moe"))}
+_HF_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.mlp")
+
+
+class ExportError(MoecompileError):
+    """The converted model cannot be expressed in the requested Hugging Face architecture."""
+
+
+def _fail(arch: str, what: str, fix: str) -> None:
+    raise ExportError(f"cannot export as {arch}: {what}; {fix}")
+
+
+def _check(result: Any, arch: str, config: Any, blocks: dict[str, Any]) -> None:
+    plan = result.plan.experts
+    src = getattr(config, "model_type", None)
+    if src not in ARCHS[arch][2]:
+        other = [a for a, v in ARCHS.items() if src in v[2]]
+        _fail(arch, f"the source model is {src!r}, whose attention {arch} does not have",
+              f"export it as {other[0]}" if other else f"{arch} takes models upcycled from {', '.join(ARCHS[arch][2])}")
+    if plan.shared_experts:
+        _fail(arch, f"the plan has {plan.shared_experts} shared expert(s), which {arch} has no place for",
+              "convert with experts.shared_experts: 0")
+    if plan.score != "softmax":
+        _fail(arch, f"experts.score={plan.score!r}; its router is softmax", "convert with experts.score: softmax")
+    if arch == "mixtral" and not plan.normalize:
+        _fail(arch, "experts.normalize=false; Mixtral always renormalises the top-k weights",
+              "convert with experts.normalize: true, or export as qwen3_moe (norm_topk_prob)")
+    if arch == "mixtral" and plan.granularity > 1:
+        _fail(arch, f"experts.granularity={plan.granularity}: Mixtral's experts are whole FFN copies",
+              "export fine-grained experts as qwen3_moe (moe_intermediate_size = F/G), or convert with granularity 1")
+    n_layers = config.num_hidden_layers
+    if arch == "mixtral" and len(blocks) != n_layers:
+        _fail(arch, f"only {len(blocks)} of {n_layers} FFNs are MoE layers; every Mixtral layer is sparse",
+              "convert with experts.layers: all, or export as qwen3_moe (mlp_only_layers)")
+    for layer, info in blocks.items():
+        if not _LAYER.fullmatch(layer):
+            _fail(arch, f"MoE layer {layer!r} is not a decoder layer's mlp", "convert a Hugging Face causal LM")
+        if not info["glu"]:
+            _fail(arch, f"{layer} is a plain MLP; {arch} experts are gated (act(x Wg) * x Wu)", "upcycle a GLU model")
+        if any(k in info["params"] for k in ("b_in", "b_out")):
+            _fail(arch, f"{layer}'s experts have biases", f"{arch} experts have none")
+    if plan.expert_bias:
+        bufs = dict(result.module.named_buffers())
+        for layer, info in blocks.items():
+            b = bufs.get(info["params"].get("bias", ""))
+            if b is not None and bool(b.ne(0).any()):
+                _fail(arch, f"{layer} has a non-zero expert-selection bias (aux-loss-free balancing), which "
+                      f"{arch}'s router does not apply", "train with experts.expert_bias: false to export")
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        if arch == "mixtral":
+            _fail(arch, "the source model has attention / MLP biases", "Mixtral's projections have none")
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types) and arch == "qwen3_moe":
+        _fail(arch, "the source uses sliding-window layers per layer_types", "export a model with full attention")
+    if plan.capacity_factor is not None:
+        log.warning("the plan drops tokens over capacity (capacity_factor=%s); the exported %s routes dropless, "
+                    "so its outputs differ wherever tokens were dropped", plan.capacity_factor, arch)
+
+
+def hf_config(result: Any, arch: str, config: Any) -> Any:
+    """The target architecture's config, built from the dense source config and the plan."""
+    import transformers
+
+    blocks = moe_blocks(result.module)
+    plan = result.plan.experts
+    info = next(iter(blocks.values()))
+    F_dense = config.intermediate_size
+    common = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
+        hidden_act=_HF_ACT[info["act"]], max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps, rope_parameters=dict(config.rope_parameters),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        initializer_range=config.initializer_range, attention_dropout=config.attention_dropout,
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+        num_experts_per_tok=plan.top_k, router_aux_loss_coef=plan.aux_loss_coeff,
+    )
+    if arch == "mixtral":
+        cfg = transformers.MixtralConfig(
+            **common, intermediate_size=F_dense, head_dim=_head_dim(config), num_local_experts=plan.num_experts,
+            sliding_window=getattr(config, "sliding_window", None),
+        )
+    else:
+        moe_layers = {int(_LAYER.fullmatch(layer).group(1)) for layer in blocks}
+        cfg = transformers.Qwen3MoeConfig(
+            **common, intermediate_size=F_dense, moe_intermediate_size=F_dense // plan.granularity,
+            num_experts=plan.num_experts, norm_topk_prob=plan.normalize, decoder_sparse_step=1,
+            mlp_only_layers=[i for i in range(config.num_hidden_layers) if i not in moe_layers],
+            attention_bias=bool(getattr(config, "attention_bias", False)), head_dim=_head_dim(config),
+            use_sliding_window=False,
+        )
+    cfg.architectures = [ARCHS[arch][1]]
+    return cfg
+
+
+def _head_dim(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _gather_experts(t: torch.Tensor, world: Any) -> torch.Tensor:
+    """The whole [E, ...] tensor from the expert-parallel group's shards (in ep-rank order)."""
+    if world is None or world.ep == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(world.ep)]
+    dist.all_gather(parts, t.contiguous(), group=world.ep_group)
+    return torch.cat(parts)
+
+
+def hf_state_dict(result: Any, world: Any = None) -> dict[str, torch.Tensor]:
+    """Tensors under Hugging Face names, experts whole (gathered over ep when sharded)."""
+    module = result.module
+    blocks = moe_blocks(module)
+    rename: dict[str, str] = {}
+    for layer, info in blocks.items():
+        p = info["params"]
+        rename[p["router"]] = f"{layer}.gate.weight"
+        rename[p["w_in"]] = f"{layer}.experts.gate_up_proj"
+        rename[p["w_out"]] = f"{layer}.experts.down_proj"
+    expert_names = {blocks[layer]["params"][k] for layer in blocks for k in ("w_in", "w_out")}
+    out = {}
+    for name, t in module.named_parameters():
+        value = t.detach()
+        if name in expert_names:
+            value = _gather_experts(value, world)
+            E = next(i["num_experts"] for i in blocks.values() if name in (i["params"]["w_in"], i["params"]["w_out"]))
+            if value.shape[0] != E:
+                raise ExportError(f"{name} holds {value.shape[0]} experts after gathering, the plan has {E}")
+        out[rename.get(name, name)] = value.contiguous().clone()
+    return out
+
+
+def export_hf(result: Any, path: str | Path, arch: str = "mixtral", config: Any = None, world: Any = None) -> Path:
+    """Write ``result`` as a Hugging Face ``arch`` model directory loadable by ``from_pretrained``.
+
+    ``config``: the dense source model's Hugging Face config (``model.config``); it carries what
+    the graph does not (RoPE, norm epsilon, token ids). ``world`` defaults to the convert world.
+    """
+    if arch not in ARCHS:
+        raise ExportError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    config = config if config is not None else getattr(result, "source_config", None)
+    if config is None:
+        raise ExportError("export_hf needs the dense model's Hugging Face config: pass config=model.config")
+    world = world if world is not None else getattr(result.context, "world", None)
+    blocks = moe_blocks(result.module)
+    if not blocks:
+        raise ExportError("the converted model has no MoE layer to export")
+    _check(result, arch, config, blocks)
+    cfg = hf_config(result, arch, config)
+    tensors = hf_state_dict(result, world)  # every rank takes part in the gathers
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    path = Path(path)
+    if world is None or world.rank == 0:
+        from safetensors.torch import save_file
+
+        path.mkdir(parents=True, exist_ok=True)
+        dtype = next(iter(tensors.values())).dtype
+        cfg.dtype = str(dtype).replace("torch.", "")
+        cfg.save_pretrained(path)
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        log.info("exported %d tensors as %s to %s", len(tensors), arch, path)
+    if world is not None and world.world_size > 1:
+        dist.barrier(group=world.dp_group)
+    return path

@@ -1,0 +1,128 @@
+"""build_train_step: one call = forward, losses, backward, bucketed sync, clip, optimizer, expert bias, metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moecompile as mc
+from moecompile.data import ByteBatches, stdlib_bytes
+from moecompile.models import build_model
+
+BATCH, SEQ = 4, 16
+
+
+@pytest.fixture(scope="module")
+def data() -> ByteBatches:
+    return ByteBatches(stdlib_bytes(300_000), BATCH, SEQ, seed=0)
+
+
+def convert(experts: dict, dtype: str | None = None, **plan) -> tuple[torch.nn.Module, mc.ConversionResult]:
+    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=BATCH, seq_len=SEQ, dtype=dtype)
+    return dense, mc.convert(dense, {"experts": {"num_experts": 4, "top_k": 2, **experts}, **plan}, (ids,))
+
+
+def adamw(ps):
+    return torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01)
+
+
+def test_steps_lower_the_loss_and_report_metrics(data):
+    _, result = convert({"aux_loss": "aux", "z_loss_coeff": 1e-3, "router_noise": 0.01})
+    step = mc.build_train_step(result, optimizer=adamw)
+    metrics = [step(data[i]) for i in range(20)]
+    first, last = metrics[0], metrics[-1]
+    assert sum(m.loss for m in metrics[-3:]) / 3 < first.loss - 0.7, [round(m.loss, 3) for m in metrics]
+    assert set(last.router_losses) == {"aux_loss", "z_loss"}
+    layers = 2  # router_losses are per-layer means; the loss sums the layers, weighted
+    assert last.loss == pytest.approx(last.lm_loss + layers * (0.01 * last.router_losses["aux_loss"]
+                                                               + 1e-3 * last.router_losses["z_loss"]), rel=1e-5)
+    assert last.tokens == BATCH * SEQ and last.tokens_per_s > 0
+    assert set(last.expert_load) == {"model.layers.0.mlp", "model.layers.1.mlp"}
+    assert all(sum(load) == BATCH * SEQ * 2 for load in last.expert_load.values())  # every token twice (top-2)
+    assert all(1.0 <= b <= 2.0 for b in last.load_balance().values())  # max/mean: 4 experts, top-2
+    assert step.step_count == 20
+
+
+def test_step_equals_the_hand_written_loop(data):
+    """Gradients live in bucket views; the result must be the plain loop's, bit for bit on CPU."""
+    _, a = convert({"aux_loss": "aux", "router_noise": 0.01})
+    _, b = convert({"aux_loss": "aux", "router_noise": 0.01})
+    step = mc.build_train_step(a, optimizer=adamw, bucket_mb=0.01)  # tiny buckets: several of them
+    assert len(step.buckets.buckets) > 2
+    opt = adamw(list(b.module.parameters()))
+    for i in range(3):
+        x, y = data[i]
+        got = step(x, y)
+        logits = b.module(x).logits
+        loss = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)) + b.router_loss()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert got.loss == loss.item()
+    for (name, p), q in zip(a.module.named_parameters(), b.module.parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_clipping_uses_the_global_norm(data):
+    _, a = convert({})
+    _, b = convert({})
+    step = mc.build_train_step(a, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), clip_grad_norm=0.05)
+    x, y = data[0]
+    m = step(x, y)
+    loss = F.cross_entropy(b.module(x).logits.reshape(-1, 256), y.reshape(-1))
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(b.module.parameters(), 0.05)
+    assert m.grad_norm == pytest.approx(norm.item(), rel=1e-5) and m.grad_norm > 0.05
+    with torch.no_grad():
+        for p in b.module.parameters():
+            p -= 0.1 * p.grad
+    for (name, p), q in zip(a.module.named_parameters(), b.module.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_expert_bias_moves_against_the_load(data):
+    _, result = convert({"expert_bias": True, "expert_bias_rate": 0.01})
+    step = mc.build_train_step(result, optimizer=adamw)
+    assert set(step.biases) == {"model.layers.0.mlp", "model.layers.1.mlp"}
+    m = step(data[0])
+    for layer, bias in step.biases.items():
+        load = torch.tensor(m.expert_load[layer], dtype=torch.float32)
+        torch.testing.assert_close(bias, 0.01 * torch.sign(load.mean() - load))
+    before = {k: v.clone() for k, v in step.biases.items()}
+    step(data[1])
+    assert any(not torch.equal(before[k], v) for k, v in step.biases.items())
+
+
+def test_bf16_autocast_keeps_fp32_master_weights(data):
+    _, a = convert({})
+    _, b = convert({})
+    fp32 = mc.build_train_step(a, optimizer=adamw)
+    bf16 = mc.build_train_step(b, optimizer=adamw, precision="bf16")
+    for i in range(3):
+        m32, m16 = fp32(data[i]), bf16(data[i])
+        assert abs(m32.loss - m16.loss) < 0.05, (m32.loss, m16.loss)
+    assert all(p.dtype == torch.float32 for p in b.module.parameters())
+    assert not bf16.masters
+
+
+def test_bf16_model_trains_through_fp32_masters(data):
+    _, result = convert({}, dtype="bfloat16")
+    step = mc.build_train_step(result, optimizer=adamw, precision="bf16")
+    assert step.masters and all(m.dtype == torch.float32 for m in step.masters.values())
+    assert all(p.dtype == torch.float32 for g in step.optimizer.param_groups for p in g["params"])
+    losses = [step(data[i]).loss for i in range(8)]
+    assert losses[-1] < losses[0]
+    for name, p in step.trainable.items():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, step.masters[name].to(torch.bfloat16)), name
+
+
+def test_bad_optimizer_and_batch_are_clear_errors(data):
+    _, result = convert({})
+    with pytest.raises(mc.MoecompileError, match="factory"):
+        mc.build_train_step(result, optimizer=lambda ps: "adam")
+    step = mc.build_train_step(result)
+    with pytest.raises(mc.MoecompileError, match="step\\(inputs, targets\\)"):
+        step(data[0][0])
+    with pytest.raises(mc.MoecompileError, match="precision"):
+        mc.build_train_step(result, precision="fp8")
