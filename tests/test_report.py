@@ -1,0 +1,197 @@
+"""The report, costs and diff say the right things about a known conversion (tiny Llama, E=4, k=2)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import FlopCounterMode
+
+import moecompile as mc
+from moecompile.costs import graph_costs, human
+from moecompile.errors import MoecompileError
+from moecompile.history import PassRecord
+from moecompile.models import build_model
+from moecompile.report import format_value, render_report, report_rows
+
+# tiny-llama: H=32, F=64, 4 query heads (KV 2, head 8), vocab 128, 2 layers; batch 2 x 8 tokens
+H, F, KV, V, L, E, K, T = 32, 64, 16, 128, 2, 4, 2, 16
+ATTN_PROJ = 2 * H * (H + KV + KV + H)  # q, k, v, o per token
+SDPA = 2 * 2 * (2 * 4) * 8 * 8 * 8 // T  # QK^T and PV: 2 bmm x 2 FLOP/MAC x (B*heads) x S x S x D, per token
+DENSE_FLOPS = L * (ATTN_PROJ + SDPA + 2 * 3 * H * F) + 2 * H * V
+MOE_FLOPS = L * (ATTN_PROJ + SDPA + 2 * H * E + K * 2 * 3 * H * F) + 2 * H * V
+
+
+@pytest.fixture(scope="module")
+def result():
+    model, (ids,) = build_model("tiny-llama")
+
+    def placement(gm, ctx):  # a user pass recording decisions and structured data
+        ctx.decide("placed experts 0-1 on rank 0, 2-3 on rank 1")
+        ctx.record(placement={"rank0": [0, 1], "rank1": [2, 3]}, overlapped=3)
+
+    return mc.convert(model, {"experts": {"num_experts": E, "top_k": K, "aux_loss": "aux"}}, (ids,), passes=[placement])
+
+
+@pytest.fixture(scope="module")
+def rows(result):
+    return {r.name: r for r in report_rows(result)}
+
+
+def test_flops_per_token_match_the_arithmetic(rows):
+    assert rows["trace"].costs.flops_per_token == DENSE_FLOPS == 47104
+    assert rows["find_ffn"].costs.flops_per_token == DENSE_FLOPS  # analysis only
+    assert rows["upcycle"].costs.flops_per_token == MOE_FLOPS == 72192
+    assert rows["upcycle"].costs.flops_by_role["experts"] == L * K * 2 * 3 * H * F * T
+    assert rows["upcycle"].costs.flops_by_role["router"] == L * 2 * H * E * T
+
+
+def test_graph_flops_agree_with_flop_counter_on_a_real_forward(result, rows):
+    ids = result.example_inputs[0]
+    with FlopCounterMode(display=False) as counter:
+        result.module(ids)
+    # torch counts no attention on CPU (its CPU kernel has no formula); everything else must agree
+    assert counter.get_total_flops() == (MOE_FLOPS - L * SDPA) * T
+    assert counter.get_flop_counts()["Global"][torch.ops.moecompile.grouped_mm] == L * K * 2 * 3 * H * F * T
+
+
+def test_parameters_and_nodes(result, rows):
+    up = rows["upcycle"]
+    assert up.params_delta == L * (E * 3 * H * F + E * H - 3 * H * F) == 37120
+    assert up.params == rows["trace"].params + 37120
+    before = {(n.name, str(n.target)) for n in result.record("find_ffn").graph.nodes}
+    after = {(n.name, str(n.target)) for n in result.record("upcycle").graph.nodes}
+    assert (up.added, up.removed) == (len(after - before), len(before - after))
+    assert up.removed >= L * 5 + L * 3  # each FFN's 3 linears, silu, mul and its 3 weights went
+    assert up.nodes == up_nodes(result) == rows["find_ffn"].nodes + up.added - up.removed
+    assert rows["find_ffn"].added == rows["find_ffn"].removed == 0
+
+
+def up_nodes(result):
+    return len(result.record("upcycle").graph.nodes)
+
+
+def test_activations_count_outputs_and_skip_recomputed(result):
+    graph = result.record("upcycle").graph
+    base = graph_costs(graph)
+    assert base.activation_bytes > graph_costs(result.record("trace").graph).activation_bytes
+    copy = fx.Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    node = next(n for n in copy.nodes if n.target == torch.ops.moecompile.grouped_mm.default or str(n.target) == "moecompile.grouped_mm.default")
+    node.meta["moe"] = {**node.meta["moe"], "role": mc.Role.RECOMPUTE}
+    marked = graph_costs(copy)
+    size = node.meta["val"].numel() * 4
+    assert marked.activation_bytes == base.activation_bytes - size
+    assert marked.recomputed_bytes == size
+
+
+def _collective_graph() -> fx.Graph:
+    """x -> all_to_all -> wait -> all_gather(group of 4) -> wait, with meta["val"] set by hand."""
+    f = torch.ops._c10d_functional
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(16, 32)
+    a2a = g.call_function(f.all_to_all_single.default, (x, [8, 8], [8, 8], "ep"))
+    a2a.meta["val"] = torch.empty(16, 32)
+    w1 = g.call_function(f.wait_tensor.default, (a2a,))
+    w1.meta["val"] = torch.empty(16, 32)
+    ag = g.call_function(f.all_gather_into_tensor.default, (w1, 4, "dp"))
+    ag.meta["val"] = torch.empty(64, 32)
+    w2 = g.call_function(f.wait_tensor.default, (ag,))
+    w2.meta["val"] = torch.empty(64, 32)
+    g.output(w2)
+    return g
+
+
+def test_communication_bytes_from_functional_collectives():
+    c = graph_costs(_collective_graph())
+    assert c.collectives == 2  # waits are not transfers
+    assert c.comm_by_op == {"all_to_all_single": 16 * 32 * 4, "all_gather_into_tensor": 64 * 32 * 4}
+    assert c.comm_bytes_fwd == (16 + 64) * 32 * 4 and c.comm_bytes_step == 2 * c.comm_bytes_fwd
+    rec = PassRecord("expert_parallel", True, 0.01, "", 6, 0, {}, ["2 collectives"], {}, _collective_graph())
+    row = render_report([rec], style="plain").splitlines()[2]
+    assert row.startswith("expert_parallel") and human(2 * (16 + 64) * 32 * 4, "B", 1024) == "20.00 KiB" in row
+
+
+def test_plain_report_says_what_each_pass_did(result, rows):
+    text = result.report()  # not a terminal under pytest: plain text
+    assert text == render_report(result, style="plain") and "\x1b[" not in text
+    lines = text.splitlines()
+    assert lines[0].split() == ["pass", "nodes", "(+/-)", "params", "FLOPs/token", "activations", "comm/step", "time"]
+    up = next(line for line in lines if line.startswith("upcycle "))
+    u = rows["upcycle"]
+    assert f"{u.nodes} (+{u.added}/-{u.removed})" in up and "63.90 K (+37.12 K)" in up and "72.19 KFLOP" in up
+    assert "    - model.layers.0.mlp: glu FFN -> 4 experts top-2 (G=1, shared=0, dropless)" in lines
+    assert "    * layers: model.layers.0.mlp, model.layers.1.mlp" in lines
+    assert "    - placed experts 0-1 on rank 0, 2-3 on rank 1" in lines
+    assert "    * placement: rank0=0, 1; rank1=2, 3" in lines and "    * overlapped: 3" in lines
+    assert "16 tokens in the example batch" in text and "FLOPs/token x1.53" in text
+
+
+def test_markdown_report(result, rows):
+    md = render_report(result, style="markdown")
+    assert "| pass | nodes (+/-) | params | FLOPs/token | activations | comm/step | time |" in md
+    table = [line for line in md.splitlines() if line.startswith("| upcycle |")]
+    assert len(table) == 1 and "72.19 KFLOP" in table[0]
+    section = md.split("### upcycle")[1].split("###")[0]
+    assert "- model.layers.1.mlp: glu FFN -> 4 experts top-2" in section
+    assert "experts 49.15 KFLOP" in section  # FLOPs/token by role
+
+
+def test_rich_report_has_the_same_content(result):
+    text = render_report(result, style="rich")
+    assert "\x1b[" in text
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", text)
+    assert "72.19 KFLOP" in plain and "placed experts 0-1 on rank 0, 2-3 on rank 1" in plain
+    assert "placement: rank0=0, 1; rank1=2, 3" in plain
+    with pytest.raises(MoecompileError, match="unknown report style"):
+        render_report(result, style="html")
+
+
+def test_format_value():
+    assert format_value(torch.tensor([1, 2, 3])) == "[1, 2, 3]"
+    assert format_value(torch.zeros(4, 8)) == "tensor[4, 8] float32"
+    assert format_value(list(range(12))) == "0, 1, 2, 3, 4, 5, 6, 7, ... (+4 more)"
+    assert format_value({"a": [1, 2], "b": 0.123456}) == "a=1, 2; b=0.1235"
+    assert format_value([]) == "(none)"
+
+
+# ---- diff -------------------------------------------------------------------
+
+def test_code_diff_shows_the_ffn_replaced_by_routed_experts(result):
+    text = mc.diff(result, "upcycle")
+    lines = text.splitlines()
+    assert lines[0] == "--- after find_ffn" and lines[1] == "+++ after upcycle"
+    removed = [line for line in lines if line.startswith("-") and not line.startswith("---")]
+    added = [line for line in lines if line.startswith("+") and not line.startswith("+++")]
+    assert any("mlp_gate_proj_weight" in line for line in removed)
+    assert sum("torch.ops.moecompile.route.default" in line for line in added) == L
+    assert sum("torch.ops.moecompile.grouped_mm.default" in line for line in added) == 2 * L
+    assert not any("moecompile" in line for line in removed)
+    assert mc.diff(result, "find_ffn") == "# find_ffn left the generated code exactly as trace did"
+
+
+def test_node_diff_counts_and_names_changes(result, rows):
+    text = mc.diff(result, "upcycle", mode="nodes")
+    up = rows["upcycle"]
+    head = text.splitlines()[0]
+    m = re.fullmatch(r"~ (\d+) changed, \+(\d+) added, -(\d+) removed \((\d+) -> (\d+) nodes\)", head)
+    assert m and (int(m[2]), int(m[3])) == (up.added, up.removed) and int(m[5]) == up.nodes
+    assert re.search(r"^\+ route = moecompile\.route\.default\(linear_\d+, None, 2, 'softmax', True\)  \(tuple of 2\)  role=route layer=model\.layers\.0\.mlp$", text, re.M)
+    assert re.search(r"^\+ grouped_mm = moecompile\.grouped_mm\.default\(.*\)  \[32, 128\] float32  role=experts", text, re.M)
+    assert re.search(r"^- linear_\d+ = aten\.linear\.default\(.*mlp_down_proj_weight\)  \[2, 8, 32\] float32  role=ffn", text, re.M)
+    assert re.search(r"^~ add_\d+: inputs \(to_\d+, linear_\d+\) -> \(to_\d+, view_\d+\)$", text, re.M)  # residual now reads the MoE
+    analysis = mc.diff(result, "find_ffn", mode="nodes")
+    assert analysis.startswith("~ 10 changed, +0 added, -0 removed") and "moe.role None -> ffn" in analysis
+    full = mc.diff(result, "upcycle", mode="nodes", context=1)
+    assert "unchanged" not in full and len(full.splitlines()) > len(text.splitlines())
+
+
+def test_diff_errors_and_before(result):
+    with pytest.raises(MoecompileError, match="no pass named 'nope' ran; ran: trace, find_ffn, upcycle"):
+        mc.diff(result, "nope")
+    with pytest.raises(MoecompileError, match="nothing ran before it"):
+        mc.diff(result, "trace")
+    assert mc.diff(result, "upcycle", before="trace").splitlines()[0] == "--- after trace"
