@@ -1,0 +1,485 @@
+"""What one training micro-batch of a model costs, read off its converted graph.
+
+    prof = profile_config("deepseek-v3", seq_len=4096)        # traced on the meta device
+    prof = profile_result(result)                             # a graph you converted yourself
+
+A large Hugging Face MoE config is analysed without allocating anything: its dense
+equivalent (the same attention, an FFN as wide as one expert) is built on the meta
+device and converted with the matching ``experts`` plan, so ``upcycle`` produces the
+model's MoE layers exactly (DeepSeek-V3: 256 experts of 2048, top-8, one shared expert
+of 2048). Tracing all 61 layers is not needed: we convert 1 and 2 MoE layers (and 1
+dense layer when the model has dense layers of another width) and scale by layer
+count: base (embedding, head) = 2*P1 - P2, one MoE layer = P2 - P1, one dense layer =
+D1 - base. That is exact for FLOPs and bytes of identical layers, and approximate for
+peak memory (which is nearly linear in layers). Multi-token-prediction heads are not
+modelled. FLOPs come from ``moecompile.costs.node_flops``; memory from the memory
+estimator (``moecompile.memory``) when it is available.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+import torch.fx as fx
+
+from .. import costs
+from ..errors import MoecompileError
+from ..graph import module_path
+from ..meta import Role
+
+CONFIGS = Path(__file__).parent / "configs"
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+_MOE_ROLES = {r.value for r in (Role.ROUTER, Role.ROUTE, Role.PERMUTE, Role.DISPATCH, Role.EXPERTS, Role.EXPERT_ACT,
+                                Role.COMBINE_COMM, Role.COMBINE, Role.SHARED_EXPERTS, Role.ROUTER_LOSS)}
+_NOT_WORK = {"sym_size", "_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "wait_tensor"}
+_GATHERS = {"embedding", "index_select", "gather", "index"}  # read only the rows they return
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeCost:
+    """One op of the forward graph (one micro-batch): its work and what it belongs to."""
+
+    flops: float
+    bytes: float  # bytes read + written (parameters included)
+    category: str  # attention_core | attention_proj | dense_mlp | router | experts | shared_experts | head | other | memory
+    tags: frozenset[str]  # recompute regions it is in: attention, mlp, layernorm, router, moe_act, moe, shared_experts, up_proj
+    fp8: bool = False  # already an FP8 GEMM in the graph
+    recomputed: bool = False  # marked for recompute in the graph
+    weight_bytes: float = 0.0  # the part of ``bytes`` that is parameters (expert weights shrink with ep)
+
+
+@dataclasses.dataclass
+class LayerProfile:
+    """The ops of one layer kind (or of the base: embedding, final norm, head), and how many there are."""
+
+    kind: str  # "base" | "dense" | "moe"
+    count: int
+    nodes: list[NodeCost]
+    dispatch_bytes: float = 0.0  # routed rows of one MoE layer (x_NH = T*k*H elements), per micro-batch
+    hidden_bytes: float = 0.0  # hidden states of one micro-batch (T*H elements)
+    dense_params: float = 0.0  # elements, per layer
+    expert_params: float = 0.0
+    activation_bytes: float = 0.0  # kept for backward, per layer, one micro-batch (memory estimator)
+
+    @property
+    def flops(self) -> float:
+        return sum(n.flops for n in self.nodes)
+
+
+@dataclasses.dataclass
+class ModelProfile:
+    """A model's forward graph per micro-batch, by layer kind, plus what it holds in memory."""
+
+    name: str
+    seq_len: int
+    micro_batch: int  # sequences in the traced micro-batch
+    hidden: int
+    num_experts: int
+    top_k: int
+    elem_bytes: int  # bytes per element of parameters and activations (bf16: 2)
+    layers: list[LayerProfile]  # base first
+    plan: Any  # the moecompile Plan the graph was converted with
+    memory_source: str
+    param_state_bytes: float | None = None  # grads + optimizer bytes per parameter element (estimator), None: default
+    approximate: bool = False
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def num_layers(self) -> int:
+        return sum(lp.count for lp in self.layers if lp.kind != "base")
+
+    @property
+    def moe_layers(self) -> int:
+        return sum(lp.count for lp in self.layers if lp.kind == "moe")
+
+    def total(self, attr: str) -> float:
+        return sum(getattr(lp, attr) * lp.count for lp in self.layers)
+
+    @property
+    def flops(self) -> float:
+        """Forward FLOPs of one micro-batch (the whole model)."""
+        return sum(lp.flops * lp.count for lp in self.layers)
+
+    @property
+    def flops_per_token(self) -> float:
+        return self.flops / self.tokens
+
+    @property
+    def dense_params(self) -> float:
+        return self.total("dense_params")
+
+    @property
+    def expert_params(self) -> float:
+        return self.total("expert_params")
+
+    @property
+    def activation_bytes(self) -> float:
+        return self.total("activation_bytes")
+
+    def summary(self) -> str:
+        return (f"{self.name}: {self.num_layers} layers ({self.moe_layers} MoE, E={self.num_experts} top-{self.top_k}), "
+                f"{(self.dense_params + self.expert_params) / 1e9:.1f} B params ({self.expert_params / 1e9:.1f} B in "
+                f"experts), {self.flops_per_token / 1e9:.1f} GFLOP/token forward at seq {self.seq_len}")
+
+
+# --- configs ---------------------------------------------------------------------------------------
+
+
+def named_configs() -> dict[str, Path]:
+    """The large-model configs shipped with the planner (name -> JSON path)."""
+    return {p.stem: p for p in sorted(CONFIGS.glob("*.json"))}
+
+
+def load_model_config(spec: Any) -> Any:
+    """A Hugging Face config from a config object, a shipped name (``deepseek-v3``), a zoo name or a path."""
+    from ..models import load_config
+
+    if hasattr(spec, "to_dict") and hasattr(spec, "model_type"):
+        return spec
+    key = str(spec).lower()
+    named = named_configs()
+    return load_config(named[key]) if key in named else load_config(spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEArch:
+    """How to rebuild a model's MoE layers with moecompile: a dense equivalent and an experts plan."""
+
+    model_type: str  # of the dense-equivalent config
+    base: dict  # its config fields (layers and FFN width are set per trace)
+    experts: dict  # the experts plan section
+    moe_intermediate: int
+    dense_intermediate: int
+    n_dense: int
+    n_moe: int
+
+    def config(self, layers: int, intermediate: int) -> Any:
+        from transformers import AutoConfig
+
+        fields = {**self.base, "num_hidden_layers": layers, "intermediate_size": intermediate}
+        if self.model_type == "deepseek_v3":
+            fields["first_k_dense_replace"] = layers  # every layer a dense MLP; upcycle makes the MoE
+        return AutoConfig.for_model(self.model_type, **fields)
+
+
+def _fields(config: Any, drop: Iterable[str] = ()) -> dict:
+    d = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "transformers_version",
+                                                               "auto_map", "_name_or_path", "dtype", "torch_dtype")}
+    for k in drop:
+        d.pop(k, None)
+    return d
+
+
+def moe_arch(config: Any, experts: dict | None = None) -> MoEArch:
+    """The dense equivalent and experts plan of a Hugging Face config (MoE types, or dense + ``experts``)."""
+    mt = config.model_type
+    L = config.num_hidden_layers
+    if mt == "deepseek_v3":
+        n_dense = int(getattr(config, "first_k_dense_replace", 0))
+        plan = dict(num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
+                    shared_experts=int(config.n_shared_experts or 0), score="sigmoid", expert_bias=True,
+                    normalize=bool(getattr(config, "norm_topk_prob", True)))
+        return MoEArch("deepseek_v3", _fields(config), {**plan, **(experts or {})}, config.moe_intermediate_size,
+                       config.intermediate_size, n_dense, L - n_dense)
+    if mt == "qwen3_moe":
+        step = max(1, int(getattr(config, "decoder_sparse_step", 1)))
+        only = set(getattr(config, "mlp_only_layers", []) or [])
+        n_moe = sum(1 for i in range(L) if i not in only and (i + 1) % step == 0)
+        plan = dict(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
+                    normalize=bool(getattr(config, "norm_topk_prob", True)))
+        drop = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+                "norm_topk_prob", "output_router_logits", "router_aux_loss_coef")
+        return MoEArch("qwen3", _fields(config, drop), {**plan, **(experts or {})}, config.moe_intermediate_size,
+                       config.intermediate_size, L - n_moe, n_moe)
+    if mt == "mixtral":
+        plan = dict(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok)
+        drop = ("num_local_experts", "num_experts_per_tok", "output_router_logits", "router_aux_loss_coef",
+                "router_jitter_noise")
+        return MoEArch("mistral", _fields(config, drop), {**plan, **(experts or {})}, config.intermediate_size,
+                       config.intermediate_size, 0, L)
+    if getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or \
+            getattr(config, "num_local_experts", None):
+        raise MoecompileError(
+            f"model_type {mt!r} is an MoE architecture the planner cannot rebuild yet (supported: deepseek_v3, "
+            "qwen3_moe, mixtral); give its dense equivalent config and an experts plan instead")
+    if not experts:
+        raise MoecompileError(
+            f"{mt!r} is a dense model: say how to make it MoE with experts={{'num_experts': 8, 'top_k': 2}} "
+            "(moecompile plan --experts '{...}')")
+    return MoEArch(mt, _fields(config), dict(experts), config.intermediate_size, config.intermediate_size, 0, L)
+
+
+# --- graphs -> costs ---------------------------------------------------------------------------------
+
+
+def _is_view(node: fx.Node) -> bool:
+    import operator
+
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _op_name(node: fx.Node) -> str:
+    target = node.target
+    name = target.name() if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+    return name.split("::")[-1].split(".")[0]
+
+
+def _tags(path: str, role: str) -> frozenset[str]:
+    leaf = path.rsplit(".", 1)[-1]
+    tags = set()
+    if ".self_attn" in f".{path}":
+        tags.add("attention")
+        if leaf in ("q_b_proj", "kv_b_proj"):
+            tags.add("up_proj")
+    if "norm" in leaf:
+        tags.add("layernorm")
+    if role in _MOE_ROLES:
+        tags.add("moe")
+        tags.add({"router": "router", "route": "router", "expert_act": "moe_act",
+                  "shared_experts": "shared_experts"}.get(role, "moe"))
+    elif ".mlp" in f".{path}":
+        tags.add("mlp")
+    return frozenset(tags)
+
+
+def _category(node: fx.Node, path: str, role: str, tags: frozenset[str], flops: float) -> str:
+    if role == "experts":
+        return "experts"
+    if role in ("shared_experts", "router"):
+        return role if flops else "memory"
+    if not flops:
+        return "memory"
+    if "scaled_dot_product" in _op_name(node):
+        return "attention_core"
+    if "lm_head" in path:
+        return "head"
+    if "attention" in tags:
+        return "attention_proj"
+    if "mlp" in tags:
+        return "dense_mlp"
+    return "other"
+
+
+def node_costs(graph: fx.Graph) -> list[tuple[fx.Node, NodeCost]]:
+    """Every op of a forward graph with its FLOPs (``costs.node_flops``), bytes moved and category.
+
+    Collectives are left out (the cost model prices communication from the plan).
+    """
+    out = []
+    for node in graph.nodes:
+        if node.op != "call_function" or _is_view(node) or costs.collective_kind(node) is not None:
+            continue
+        name = _op_name(node)
+        if name in _NOT_WORK or "sym_" in name:
+            continue
+        flops = float(costs.node_flops(node) or 0)
+        out_b = costs.tensor_bytes(node.meta.get("val")) or 0
+        weights = 0.0
+        if name in _GATHERS:
+            moved = 2 * out_b
+        else:
+            moved = out_b
+            for a in node.all_input_nodes:
+                v = a.meta.get("val")
+                size = (costs.tensor_bytes(v) or 0) if isinstance(v, torch.Tensor) else 0
+                moved += size
+                weights += size if a.op == "get_attr" else 0
+        path = module_path(node)
+        role = str(node.meta.get("moe", {}).get("role") or "")
+        tags = _tags(path, role)
+        fp8 = "scaled_mm" in name or "fp8" in name
+        out.append((node, NodeCost(flops, float(moved), _category(node, path, role, tags, flops), tags, fp8,
+                                   costs.is_recomputed(node), float(weights))))
+    return out
+
+
+def _layer_of(path: str) -> int | None:
+    m = _LAYER.search(path)
+    return int(m.group(1)) if m else None
+
+
+def _split(result: Any) -> dict[int | None, list[tuple[fx.Node, NodeCost]]]:
+    graph = result.history[-1].graph
+    groups: dict[int | None, list] = {}
+    for node, nc in node_costs(graph):
+        groups.setdefault(_layer_of(module_path(node)), []).append((node, nc))
+    return groups
+
+
+def _params(result: Any) -> dict[int | None, tuple[float, float]]:
+    """Per layer index (None: outside layers): (dense, expert) parameter elements."""
+    out: dict[int | None, list[float]] = {}
+    for name, p in result.module.named_parameters():
+        entry = out.setdefault(_layer_of(name), [0.0, 0.0])
+        entry[1 if ".experts." in f".{name}" else 0] += p.numel()
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def _moe_bytes(pairs: list[tuple[fx.Node, NodeCost]]) -> tuple[float, float]:
+    """(routed rows x_NH bytes, hidden x_TH bytes) of the permute node of an MoE layer."""
+    for node, _ in pairs:
+        if node.meta.get("moe", {}).get("role") == Role.PERMUTE and "permute" in _op_name(node):
+            val = node.meta.get("val")
+            rows = costs.tensor_bytes(val[0] if isinstance(val, (tuple, list)) else val) or 0
+            x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+            return float(rows), float(costs.tensor_bytes(x) or 0)
+    return 0.0, 0.0
+
+
+def _activations(result: Any, micro_batch: int) -> tuple[float, str, float | None]:
+    """Bytes kept for backward by one micro-batch, the source of the figure, and state bytes per param."""
+    try:
+        from ..memory import estimate_memory  # the memory engineer's estimator
+    except ImportError:
+        est = None
+    else:
+        est = estimate_memory(result, batch=micro_batch)
+    if est is not None:
+        return _from_estimate(est)
+    c = costs.graph_costs(result.history[-1].graph)
+    return float(c.activation_bytes), "moecompile.costs activation_bytes (moecompile.memory not available)", None
+
+
+def _from_estimate(est: Any) -> tuple[float, str, float | None]:
+    """Read what the memory estimator returned (activation peak, and grads+optimizer per parameter)."""
+    get = (lambda k, d=None: est.get(k, d)) if isinstance(est, dict) else (lambda k, d=None: getattr(est, k, d))
+    act = get("peak_activations") or get("activation_bytes") or get("activations") or 0
+    params = get("params") or get("param_bytes") or 0
+    state = (get("grads") or get("grad_bytes") or 0) + (get("optimizer") or get("optimizer_bytes") or 0)
+    per_param = state / params if params else None
+    return float(act), "moecompile.memory.estimate_memory", per_param
+
+
+# --- building profiles --------------------------------------------------------------------------------
+
+
+def _meta_convert(cfg: Any, plan: dict, micro_batch: int, seq_len: int) -> Any:
+    """Build ``cfg`` on the meta device and convert it; nothing is allocated."""
+    from transformers import AutoModelForCausalLM
+
+    from ..convert import convert
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.train()
+        ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+        try:
+            return convert(model, plan, (ids,))
+        except MoecompileError:
+            raise
+        except Exception as e:  # export / a pass on a model we rebuilt
+            raise MoecompileError(f"tracing the dense equivalent of {cfg.model_type} on the meta device failed: "
+                                  f"{type(e).__name__}: {e}") from e
+
+
+def _costs_of(pairs: list[tuple[fx.Node, NodeCost]]) -> list[NodeCost]:
+    return [nc for _, nc in pairs]
+
+
+@functools.lru_cache(maxsize=32)
+def _profile_cached(key: str, seq_len: int, micro_batch: int, sections: str) -> ModelProfile:
+    spec = json.loads(key)
+    config = load_model_config(spec["model"]) if "model" in spec else None
+    from transformers import AutoConfig
+
+    if config is None:
+        fields = dict(spec["config"])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    arch = moe_arch(config, spec.get("experts"))
+    extra = json.loads(sections)
+    plan = {**extra, "experts": {**arch.experts, **extra.get("experts", {})}}
+    if seq_len > getattr(config, "max_position_embeddings", seq_len):
+        arch = dataclasses.replace(arch, base={**arch.base, "max_position_embeddings": seq_len})
+    p1 = _meta_convert(arch.config(1, arch.moe_intermediate), plan, micro_batch, seq_len)
+    p2 = _meta_convert(arch.config(2, arch.moe_intermediate), plan, micro_batch, seq_len)
+    g1, g2 = _split(p1), _split(p2)
+    par1, par2 = _params(p1), _params(p2)
+    a1, source, state = _activations(p1, micro_batch)
+    a2, _, _ = _activations(p2, micro_batch)
+    rows, hidden = _moe_bytes(g1.get(0, []))
+    base_act = 2 * a1 - a2
+    base = LayerProfile("base", 1, _costs_of(g1.get(None, [])), hidden_bytes=hidden,
+                        dense_params=par1.get(None, (0, 0))[0], activation_bytes=max(0.0, base_act))
+    moe = LayerProfile("moe", arch.n_moe, _costs_of(g1.get(0, [])), rows, hidden, *par1.get(0, (0.0, 0.0)),
+                       activation_bytes=a2 - a1)
+    layers = [base, moe]
+    if arch.n_dense:
+        no_experts = {**plan, "experts": {**plan["experts"], "layers": []}}
+        d1 = _meta_convert(arch.config(1, arch.dense_intermediate), no_experts, micro_batch, seq_len)
+        ad, _, _ = _activations(d1, micro_batch)
+        gd = _split(d1)
+        layers.append(LayerProfile("dense", arch.n_dense, _costs_of(gd.get(0, [])), 0.0, hidden,
+                                   _params(d1).get(0, (0.0, 0.0))[0], 0.0, activation_bytes=ad - base_act))
+    experts = p1.plan.experts
+    elem = next(p1.module.parameters()).element_size()
+    approx = any(costs.graph_costs(r.history[-1].graph).approximate for r in (p1,))
+    name = spec.get("name", config.model_type)
+    notes = [f"traced 1 and 2 MoE layers{' and 1 dense layer' if arch.n_dense else ''} on the meta device; "
+             f"scaled to {arch.n_moe} MoE + {arch.n_dense} dense layers"]
+    del par2, g2
+    return ModelProfile(name, seq_len, micro_batch, config.hidden_size, experts.num_experts, experts.top_k, elem,
+                        layers, p1.plan, source, state, approx, notes)
+
+
+def profile_config(model: Any, *, seq_len: int, micro_batch: int = 1, experts: dict | None = None,
+                   sections: dict | None = None) -> ModelProfile:
+    """Profile a Hugging Face config (object, shipped name, zoo name or path), traced on the meta device.
+
+    ``sections`` are extra plan sections (``recompute``, ``fp8``...) the graph is converted with.
+    """
+    if isinstance(model, (str, Path)):
+        key = {"model": str(model), "name": Path(str(model)).stem}
+    else:
+        cfg = load_model_config(model)
+        key = {"config": {**_fields(cfg), "model_type": cfg.model_type}, "name": cfg.model_type}
+    if experts:
+        key["experts"] = dict(experts)
+    return _profile_cached(json.dumps(key, sort_keys=True, default=str), seq_len, micro_batch,
+                           json.dumps(sections or {}, sort_keys=True))
+
+
+def profile_result(result: Any) -> ModelProfile:
+    """Profile a ConversionResult as it is: every layer of its graph, at its example batch."""
+    groups = _split(result)
+    params = _params(result)
+    ids = result.example_inputs[0] if result.example_inputs else None
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise MoecompileError("profile_result needs a result converted from token ids [batch, seq] "
+                              "(result.example_inputs[0])")
+    micro_batch, seq_len = ids.shape
+    layers = [LayerProfile("base", 1, _costs_of(groups.pop(None, [])), dense_params=params.get(None, (0, 0))[0])]
+    for idx in sorted(groups):
+        pairs = groups[idx]
+        rows, hidden = _moe_bytes(pairs)
+        dp, ep = params.get(idx, (0.0, 0.0))
+        layers.append(LayerProfile("moe" if rows else "dense", 1, _costs_of(pairs), rows, hidden, dp, ep))
+    layers[0].hidden_bytes = max((lp.hidden_bytes for lp in layers), default=0.0)
+    act, source, state = _activations(result, micro_batch)
+    layers[0].activation_bytes = act  # whole-graph figure, kept on the base
+    experts = result.plan.experts
+    elem = next(p.element_size() for p in result.module.parameters())
+    hidden = result.module.get_parameter(experts_param(result)).shape[-1] if experts_param(result) else 0
+    return ModelProfile(type(result.module).__name__, int(seq_len), int(micro_batch), int(hidden), experts.num_experts,
+                        experts.top_k, elem, layers, result.plan, source, state,
+                        costs.graph_costs(result.history[-1].graph).approximate, ["profiled the converted graph as is"])
+
+
+def experts_param(result: Any) -> str | None:
+    """Name of one routed-expert weight [E, out, H] (its last dim is the hidden size)."""
+    for name, _ in result.module.named_parameters():
+        if name.endswith("experts.w_gate_up") or name.endswith("experts.w_up"):
+            return name
+    return None
