@@ -1,0 +1,364 @@
+"""One training step on one rank, term by term, from a model profile, a cluster and a candidate plan.
+
+    est = estimate(profile, cluster, Candidate(plan, micro_batch=1), global_batch=1024)
+    est.step_s, est.fits, est.terms        # every term is printed by --explain
+
+The model, per micro-batch and rank (T tokens of the micro-batch, /tp with sequence parallelism):
+- compute: each forward op takes max(FLOPs / achieved FLOP/s, bytes / achieved HBM bandwidth) plus
+  the cluster's per-op host overhead (a roofline per op; FP8 GEMMs at the FP8 peak); backward is
+  BACKWARD_FACTOR x forward; recompute re-runs the forward of the recomputed ops.
+- dispatch/combine: bytes of the routed rows (the permute output in the graph: T*k*H elements)
+  times the share that leaves the rank, split by where the peers are (NVLink vs NIC), plus a
+  latency per exchange; forward dispatch + combine and their backward mirrors.
+- overlap: with the overlap pass's N chunks the MoE block runs as a 3-stage pipeline
+  (dispatch, experts, combine): (d + c + b)/N + (N-1)/N * max(c, d + b); what exceeds the expert
+  compute c is exposed. Megatron's 1F1B overlap ("1f1b", validation only) hides a layer's
+  exchanges behind the other micro-batch's whole layer.
+- tensor/pipeline parallelism (validation only; moecompile has no TP/PP pass): sequence-parallel
+  all-gather + reduce-scatter per attention / dense MLP, and the interleaved-1F1B bubble
+  (pp-1)/vpp micro-batches.
+- data parallel: gradient all-reduce of dense parameters over the dp ranks and of expert
+  parameters over the expert-data-parallel ranks; the AdamW update streams every parameter.
+- memory: parameters, gradients and optimizer state per rank (experts / ep) and the activations
+  the graph keeps for backward, from the memory estimator (or moecompile.costs when it is absent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .cluster import GiB, Cluster, Span
+from .profile import LayerProfile, ModelProfile, NodeCost
+
+# Assumptions of the step model, stated once (efficiencies of the hardware live in cluster.py).
+BACKWARD_FACTOR = 2.0  # backward = dgrad + wgrad = 2x the forward's FLOPs and bytes (the usual 6N rule)
+CAUSAL_FRACTION = 0.5  # causal attention kernels skip the masked half of the S x S scores
+ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32 per parameter (build_train_step keeps fp32 masters)
+_FP8_CATEGORY = {"experts": "experts", "shared_experts": "shared_experts", "dense": "dense_mlp",
+                 "attention_proj": "attention_proj"}
+_EXPERT_COMPUTE = {"experts"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A plan moecompile can run, plus the execution choices around it that the plan does not hold."""
+
+    plan: Any  # moecompile.Plan
+    micro_batch: int = 1  # sequences per micro-batch (gradient accumulation over the rest)
+    overlap_chunks: int = 0  # 0: no overlap pass; N >= 1: the overlap pass's chunks
+    overlap_shared: bool = False  # shared experts also run while the dispatch is in flight
+    overlap_backward: bool = False
+    # modelled for validation against systems that have them; moecompile's enumerator keeps them at 1 / off
+    tp: int = 1
+    pp: int = 1
+    vpp: int = 1
+    ep_overlap_1f1b: bool = False
+    grad_sync_overlap: bool = False
+    distributed_optimizer: bool = False
+    grad_bytes: float | None = None  # per element; None: the parameter dtype
+    assume_recompute: tuple[str, ...] = ()  # regions treated as recomputed though the graph has no marks
+    assume_fp8: bool = False  # treat plan.fp8.modules GEMMs as FP8 though the graph has no FP8 ops
+
+    @property
+    def ep(self) -> int:
+        return self.plan.parallel.ep
+
+    def describe(self) -> str:
+        p = self.plan
+        parts = [f"ep={p.parallel.ep}"]
+        if p.parallel.ep > 1:
+            mode = p.parallel.dispatch_mode
+            if mode == "static":
+                mode += f" cf={p.parallel.static_capacity_factor(p.experts)}"
+            parts.append(f"{p.parallel.dispatcher} {mode}")
+        if self.tp > 1 or self.pp > 1:
+            parts.append(f"tp={self.tp} pp={self.pp}" + (f" vpp={self.vpp}" if self.vpp > 1 else ""))
+        if self.overlap_chunks:
+            parts.append(f"overlap x{self.overlap_chunks}" + ("+shared" if self.overlap_shared else "")
+                         + ("+bwd" if self.overlap_backward else ""))
+        if self.ep_overlap_1f1b:
+            parts.append("1f1b-a2a-overlap")
+        mods = list(p.recompute.modules) + [m for m in self.assume_recompute if m not in p.recompute.modules]
+        if mods:
+            parts.append("recompute " + ",".join(mods))
+        if p.fp8.enabled:
+            parts.append(f"fp8 {p.fp8.recipe}")
+        parts.append(f"mb={self.micro_batch}")
+        return " ".join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Term:
+    name: str
+    value: float  # seconds per step (time terms) or bytes per rank (memory terms)
+    detail: str
+    counted: bool = True  # False: shown but hidden behind other work
+
+
+@dataclasses.dataclass
+class Estimate:
+    candidate: Candidate
+    cluster: Cluster
+    global_batch: int
+    seq_len: int
+    step_s: float
+    terms: list[Term]
+    memory: list[Term]
+    model_flops: float  # 3 x forward FLOPs of the global batch, as traced (no recompute)
+
+    @property
+    def memory_bytes(self) -> float:
+        return sum(t.value for t in self.memory if t.counted)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_bytes <= self.cluster.usable_memory
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.global_batch * self.seq_len / self.step_s / self.cluster.gpus
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops / self.step_s / self.cluster.gpus / 1e12
+
+    def term(self, name: str) -> float:
+        return sum(t.value for t in self.terms if t.name == name and t.counted)
+
+    @property
+    def plan(self) -> Any:
+        return self.candidate.plan
+
+    def misfit_reason(self) -> str:
+        parts = ", ".join(f"{t.name} {t.value / GiB:.1f}" for t in self.memory if t.counted)
+        return (f"needs {self.memory_bytes / GiB:.1f} GiB per GPU > {self.cluster.usable_memory / GiB:.1f} GiB usable "
+                f"({self.cluster.memory_bytes / GiB:.0f} GiB x {self.cluster.usable_memory_fraction}): {parts}")
+
+
+# --- compute --------------------------------------------------------------------------------------
+
+
+def _fp8_categories(cand: Candidate) -> set[str]:
+    fp8 = cand.plan.fp8
+    if not (cand.assume_fp8 and fp8.enabled):
+        return set()
+    return {_FP8_CATEGORY[m] for m in fp8.modules if m in _FP8_CATEGORY}
+
+
+def _static_pad(profile: ModelProfile, cand: Candidate, tokens: float) -> float:
+    """Rows the experts really process per routed row: E*C / (T*k) in static mode, 1 when dropless."""
+    import math
+
+    par = cand.plan.parallel
+    cf = par.static_capacity_factor(cand.plan.experts) if par.ep > 1 else cand.plan.experts.capacity_factor
+    if not cf:
+        return 1.0
+    E, k = profile.num_experts, profile.top_k
+    capacity = max(1, math.ceil(cf * tokens * k / E))
+    return capacity * E / (tokens * k)
+
+
+class _Times:
+    """Per-op times of one micro-batch on one rank (before the pipeline split)."""
+
+    def __init__(self, profile: ModelProfile, cluster: Cluster, cand: Candidate):
+        self.profile, self.cluster, self.cand = profile, cluster, cand
+        self.scale = cand.micro_batch / profile.micro_batch
+        tokens = profile.tokens * self.scale / cand.tp
+        self.pad = _static_pad(profile, cand, tokens)
+        self.fp8 = _fp8_categories(cand)
+        self.recompute = set(cand.assume_recompute)
+
+    def op(self, nc: NodeCost) -> float:
+        c, cand = self.cluster, self.cand
+        flops = nc.flops * self.scale / cand.tp
+        act = (nc.bytes - nc.weight_bytes) * self.scale / cand.tp
+        if nc.category == "attention_core":
+            flops *= CAUSAL_FRACTION
+        if nc.category == "experts":
+            flops, act = flops * self.pad, act * self.pad
+            weights = nc.weight_bytes / cand.ep
+        else:
+            weights = nc.weight_bytes / cand.tp
+        fp8 = nc.fp8 or nc.category in self.fp8
+        return max(flops / c.peak(fp8), (act + weights) / c.memory_bandwidth) + c.op_overhead_s
+
+    def layer(self, lp: LayerProfile) -> dict[str, float]:
+        """Forward seconds of one layer: total, its expert GEMMs, shared experts, recomputed ops."""
+        out = {"total": 0.0, "experts": 0.0, "shared": 0.0, "recompute": 0.0}
+        for nc in lp.nodes:
+            t = self.op(nc)
+            out["total"] += t
+            if nc.category in _EXPERT_COMPUTE or "moe_act" in nc.tags:
+                out["experts"] += t
+            if "shared_experts" in nc.tags:
+                out["shared"] += t
+            if nc.recomputed or (nc.tags & self.recompute):
+                out["recompute"] += t
+        return out
+
+
+# --- communication --------------------------------------------------------------------------------
+
+
+def _exchange(cluster: Cluster, payload: float, size: int, stride: int = 1) -> tuple[float, str]:
+    """An all-to-all-like exchange in a group: each rank sends ``payload`` x (size-1)/size to its peers."""
+    if size <= 1 or payload <= 0:
+        return 0.0, "no peers"
+    off = cluster.peers_off_node(size, stride)
+    on = (size - 1) / size - off
+    intra, inter = cluster.link("intra"), cluster.link("inter")
+    t_on = payload * on / intra.bandwidth
+    t_off = payload * off / inter.bandwidth if off else 0.0
+    span: Span = cluster.span(size, stride)
+    latency = cluster.link(span).latency
+    detail = (f"{payload / 1e6:.1f} MB x ({on:.2f} on-node @ {intra.bandwidth / 1e9:.0f} GB/s"
+              + (f", {off:.2f} off-node @ {inter.bandwidth / 1e9:.0f} GB/s" if off else "") + f") + {latency * 1e6:.0f} us")
+    return latency + max(t_on, t_off), detail
+
+
+def _ring(cluster: Cluster, nbytes: float, size: int, stride: int, passes: float) -> float:
+    """A ring collective moving ``passes`` x (size-1)/size x nbytes through the slowest link it crosses."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    link = cluster.link(cluster.span(size, stride))
+    return passes * (size - 1) / size * nbytes / link.bandwidth + 2 * (size - 1) * link.latency
+
+
+def _pipe(d: float, c: float, b: float, n: int, latency: float) -> float:
+    """dispatch -> compute -> combine over n chunks, sharing one link for d and b."""
+    return (d + c + b) / n + (n - 1) / n * max(c, d + b) + (n - 1) * 2 * latency
+
+
+# --- the step -------------------------------------------------------------------------------------
+
+
+def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_batch: int) -> Estimate:
+    """Predicted step time and memory per rank of ``cand`` on ``cluster`` for ``global_batch`` sequences."""
+    G, tp, pp, ep = cluster.gpus, cand.tp, cand.pp, cand.ep
+    dp = G // (tp * pp)
+    edp = max(1, G // (ep * pp))
+    seqs = global_batch / dp
+    m = seqs / cand.micro_batch  # micro-batches per rank
+    times = _Times(profile, cluster, cand)
+    scale = times.scale
+    terms: list[Term] = []
+
+    fwd = rc = exp_fwd = shared_fwd = 0.0
+    a2a_exposed = tp_comm = 0.0
+    a2a_detail = ""
+    par = cand.plan.parallel
+    for lp in profile.layers:
+        lt = times.layer(lp)
+        fwd += lt["total"] * lp.count
+        rc += lt["recompute"] * lp.count
+        if lp.kind == "moe":
+            exp_fwd += lt["experts"] * lp.count
+            shared_fwd += lt["shared"] * lp.count
+        if lp.kind == "moe" and ep > 1:
+            if par.dispatcher == "allgather":
+                payload = lp.hidden_bytes * scale / tp * ep  # gather every peer's tokens, reduce-scatter back
+            else:
+                payload = lp.dispatch_bytes * scale / tp * times.pad
+            t, a2a_detail = _exchange(cluster, payload, ep)
+            lat = cluster.link(cluster.span(ep)).latency
+            count_x = lat if par.dispatch_mode == "dropless" and par.dispatcher == "alltoall" else 0.0
+            if cand.ep_overlap_1f1b:
+                layer_fb = lt["total"] * (1 + BACKWARD_FACTOR)
+                exposed = max(0.0, 4 * t - layer_fb) + count_x
+            elif cand.overlap_chunks:
+                n = cand.overlap_chunks
+                c = lt["experts"] + (lt["shared"] if cand.overlap_shared else 0.0)
+                exposed = _pipe(t, c, t, n, lat) - c + count_x
+                if cand.overlap_backward:
+                    exposed += _pipe(t, BACKWARD_FACTOR * c, t, n, lat) - BACKWARD_FACTOR * c
+                else:
+                    exposed += 2 * t
+            else:
+                exposed = 4 * t + count_x
+            a2a_exposed += exposed * lp.count
+        if tp > 1 and lp.kind != "base":
+            n_coll = 2 if lp.kind == "moe" else 4  # attention (and dense MLP) all-gather + reduce-scatter
+            t, _ = _exchange(cluster, lp.hidden_bytes * scale, tp)
+            tp_comm += n_coll * (1 + 1) * t * lp.count  # forward and backward
+
+    bwd = BACKWARD_FACTOR * fwd
+    per_mb = (fwd + bwd + rc + a2a_exposed + tp_comm) / pp
+    pc = cluster.peak(False) / 1e12
+    terms.append(Term("forward", m * fwd / pp, f"{m:g} micro-batches x {fwd / pp * 1e3:.2f} ms: per op max(FLOPs / "
+                      f"{pc:.0f} TFLOP/s, bytes / {cluster.memory_bandwidth / 1e12:.2f} TB/s)"
+                      + (f" + {cluster.op_overhead_s * 1e6:.1f} us" if cluster.op_overhead_s else "")
+                      + (f", FP8 GEMMs at {cluster.peak(True) / 1e12:.0f}" if (times.fp8 or _has_fp8(profile)) else "")
+                      + (f", /tp {tp}" if tp > 1 else "") + (f", /pp {pp}" if pp > 1 else "")))
+    terms.append(Term("backward", m * bwd / pp, f"{BACKWARD_FACTOR:g} x forward"))
+    if rc:
+        terms.append(Term("recompute", m * rc / pp, "forward of the recomputed ops again in backward"))
+    if ep > 1:
+        how = ("1F1B: hidden behind the other micro-batch's layer" if cand.ep_overlap_1f1b else
+               f"overlap pass, {cand.overlap_chunks} chunks" if cand.overlap_chunks else "not overlapped")
+        terms.append(Term("dispatch+combine", m * a2a_exposed / pp,
+                          f"exposed, {profile.moe_layers} MoE layers x 4 exchanges of {a2a_detail} ({how})"))
+        if cand.overlap_chunks or cand.ep_overlap_1f1b:
+            raw = sum(4 * _exchange(cluster, (lp.hidden_bytes * ep if par.dispatcher == "allgather"
+                                              else lp.dispatch_bytes * times.pad) * scale / tp, ep)[0] * lp.count
+                      for lp in profile.layers if lp.kind == "moe")
+            terms.append(Term("dispatch+combine hidden", m * max(0.0, raw - a2a_exposed) / pp,
+                              "exchange time hidden behind compute", counted=False))
+    if tp > 1:
+        terms.append(Term("tensor-parallel comm", m * tp_comm / pp,
+                          f"sequence-parallel all-gather/reduce-scatter in tp={tp} groups, not overlapped"))
+    if pp > 1:
+        bubble = (pp - 1) / cand.vpp * per_mb
+        terms.append(Term("pipeline bubble", bubble, f"(pp-1)/vpp = {(pp - 1) / cand.vpp:.2f} micro-batches of "
+                          f"{per_mb * 1e3:.1f} ms"))
+        link = cluster.link(cluster.span(2, stride=G // pp))
+        p2p = link.latency + profile.layers[0].hidden_bytes * scale / tp / link.bandwidth
+        terms.append(Term("pipeline p2p", m * 2 * cand.vpp * p2p, f"{2 * cand.vpp} activation sends per "
+                          "micro-batch" + (" (overlapped by the interleaved schedule)" if cand.vpp > 1 else ""),
+                          counted=cand.vpp == 1))
+
+    # gradients and optimizer
+    dense_p = profile.dense_params / (tp * pp)
+    expert_p = profile.expert_params / (ep * pp)
+    gbytes = cand.grad_bytes or profile.elem_bytes
+    passes = 1.0 + profile.elem_bytes / gbytes if cand.distributed_optimizer else 2.0
+    t_dense = _ring(cluster, dense_p * gbytes, dp, tp, passes)
+    t_exp = _ring(cluster, expert_p * gbytes, edp, ep * tp, passes)
+    t_dp = t_dense + t_exp
+    hideable = bwd / pp if cand.grad_sync_overlap else 0.0
+    terms.append(Term("gradient sync", max(0.0, t_dp - hideable),
+                      f"dense {dense_p / 1e9:.2f} B params over dp={dp}, experts {expert_p / 1e9:.2f} B over edp={edp}, "
+                      f"{'reduce-scatter + all-gather' if cand.distributed_optimizer else 'all-reduce'}"
+                      + (", overlapped with the last backward" if cand.grad_sync_overlap else "")))
+    params_rank = dense_p + expert_p
+    # AdamW reads and writes the fp32 master and both states, reads the gradient, writes the parameter
+    per_param = 2 * (4 + ADAMW_STATE_BYTES) + gbytes + profile.elem_bytes
+    opt_bytes = params_rank * per_param / (dp if cand.distributed_optimizer else 1)
+    terms.append(Term("optimizer", opt_bytes / cluster.memory_bandwidth,
+                      f"AdamW streams {opt_bytes / 1e9:.1f} GB at {cluster.memory_bandwidth / 1e12:.2f} TB/s"))
+
+    step = sum(t.value for t in terms if t.counted)
+    memory = _memory(profile, cluster, cand, params_rank)
+    model_flops = (1 + BACKWARD_FACTOR) * profile.flops * global_batch / profile.micro_batch
+    return Estimate(cand, cluster, global_batch, profile.seq_len, step, terms, memory, model_flops)
+
+
+def _has_fp8(profile: ModelProfile) -> bool:
+    return any(nc.fp8 for lp in profile.layers for nc in lp.nodes)
+
+
+def _memory(profile: ModelProfile, cluster: Cluster, cand: Candidate, params_rank: float) -> list[Term]:
+    e = profile.elem_bytes
+    if profile.param_state_bytes is not None:
+        state, how = profile.param_state_bytes, "memory estimator"
+    else:  # build_train_step: grads in the parameter dtype, fp32 master for a low-precision model, fp32 AdamW
+        master = 4 if e < 4 else 0
+        state = e + master + ADAMW_STATE_BYTES
+        how = f"grad {e} + fp32 master {master} + AdamW {ADAMW_STATE_BYTES}"
+    act = profile.activation_bytes * cand.micro_batch / profile.micro_batch / cand.tp
+    return [
+        Term("params", params_rank * e, f"{params_rank / 1e9:.2f} B elements x {e} B (experts / ep={cand.ep})"),
+        Term("grads+optimizer", params_rank * state, f"{state:g} B per parameter ({how})"),
+        Term("activations", act, f"kept for backward, micro-batch {cand.micro_batch} ({profile.memory_source})"),
+    ]

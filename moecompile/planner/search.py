@@ -1,0 +1,221 @@
+"""Enumerate the plans moecompile can run on a cluster, price each, keep those that fit, rank them.
+
+    space = SearchSpace.available()                       # only what the registered passes implement
+    cands, skipped = enumerate_candidates(experts, cluster, global_batch, space)
+    report = search(profile_for, experts, cluster, global_batch)   # -> PlanReport (ranked + rejected)
+
+Legal means: ``ep`` divides both the number of experts and the GPUs, every rank gets whole
+micro-batches of whole sequences, and the ``Plan`` built from the choice validates. An illegal
+combination is never produced; the EP sizes left out are listed in ``skipped`` with the reason.
+A plan that does not fit in memory is kept in ``rejected`` with its memory breakdown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable
+
+from ..errors import MoecompileError
+from ..plan import Plan
+from .cluster import Cluster
+from .cost_model import Candidate, Estimate, estimate
+from .profile import ModelProfile
+
+RECOMPUTE_SETS: tuple[tuple[str, ...], ...] = ((), ("moe_act", "layernorm"), ("moe",), ("moe", "attention"))
+FP8_RECIPES: tuple[str, ...] = ("none", "tensorwise", "blockwise")
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchSpace:
+    """Which knobs to enumerate; ``available()`` switches off those whose pass is not registered."""
+
+    expert_parallel: bool = True
+    dispatchers: tuple[str, ...] = ("alltoall", "allgather")
+    dispatch_modes: tuple[str, ...] = ("dropless", "static")
+    capacity_factors: tuple[float, ...] = (1.0, 1.25)
+    overlap_chunks: tuple[int, ...] = ()  # () while no overlap pass/section exists
+    recompute_sets: tuple[tuple[str, ...], ...] = ((),)
+    fp8_recipes: tuple[str, ...] = ("none",)
+    micro_batches: tuple[int, ...] = (1, 2, 4)
+    notes: tuple[str, ...] = ()
+
+    @classmethod
+    def available(cls, **overrides: Any) -> "SearchSpace":
+        """Everything the installed moecompile can execute: a knob is searched only if its pass exists."""
+        import moecompile.passes  # noqa: F401  (registers the built-in passes)
+        from ..pass_manager import registered_passes
+
+        passes = registered_passes()
+        sections = {f.name for f in dataclasses.fields(Plan)}
+        notes = []
+        fields: dict[str, Any] = {}
+        if "expert_parallel" not in passes or "parallel" not in sections:
+            fields["expert_parallel"] = False
+            notes.append("expert_parallel pass not registered: only ep=1 is enumerated")
+        if "overlap" in passes and "overlap" in sections:
+            fields["overlap_chunks"] = (1, 2, 4)
+        else:
+            notes.append("overlap pass/section not available: dispatch and combine are priced as not overlapped")
+        if "recompute" in passes and "recompute" in sections:
+            fields["recompute_sets"] = RECOMPUTE_SETS
+        else:
+            notes.append("recompute pass not registered: no recompute sets enumerated")
+        if "fp8" in passes and "fp8" in sections:
+            fields["fp8_recipes"] = FP8_RECIPES
+        else:
+            notes.append("fp8 pass not registered: every GEMM stays in the model dtype")
+        fields.update(overrides)
+        return cls(notes=tuple(notes), **fields)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def legal_ep_sizes(num_experts: int, gpus: int) -> tuple[list[int], list[str]]:
+    """EP sizes that divide both the experts and the GPUs, and why the others were left out."""
+    keep, skipped = [], []
+    for ep in divisors(gpus):
+        if ep > num_experts:
+            skipped.append(f"ep={ep}: more ranks than the {num_experts} experts")
+        elif num_experts % ep:
+            skipped.append(f"ep={ep}: does not divide num_experts={num_experts}")
+        else:
+            keep.append(ep)
+    return keep, skipped
+
+
+def _plan_dict(base: dict, experts: dict, ep: int, dispatcher: str, mode: str, cf: float | None,
+               recompute: tuple[str, ...], fp8: str, chunks: int) -> dict:
+    """``base`` (a plan as a dict) with the searched fields set; experts.capacity_factor goes (parallel owns it)."""
+    plan: dict[str, Any] = {k: dict(v) for k, v in base.items()}
+    plan["experts"] = {**plan.get("experts", {}), **experts, "capacity_factor": None}
+    plan["parallel"] = {**plan.get("parallel", {}), "ep": ep, "dispatcher": dispatcher, "dispatch_mode": mode,
+                        "capacity_factor": cf if mode == "static" else None}
+    if recompute or "recompute" in plan:
+        plan["recompute"] = {**plan.get("recompute", {}), "modules": list(recompute)}
+    if fp8 != "none" or "fp8" in plan:
+        plan["fp8"] = {**plan.get("fp8", {}), "recipe": fp8}
+    if chunks:
+        plan["overlap"] = {**plan.get("overlap", {}), "enabled": True, "chunks": chunks}
+    return plan
+
+
+def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, space: SearchSpace | None = None,
+                         base: dict | None = None) -> tuple[list[Candidate], list[str]]:
+    """Every legal candidate for ``cluster`` and ``global_batch`` sequences, and what was skipped (with why).
+
+    ``base`` is a plan (as a dict) the candidates start from; the searched fields replace its own.
+    """
+    space = space or SearchSpace.available()
+    E, G = int(experts["num_experts"]), cluster.gpus
+    skipped: list[str] = []
+    if global_batch % G:
+        return [], [f"global batch {global_batch} does not split into whole sequences over {G} GPUs; "
+                    f"use a multiple of {G}"]
+    per_rank = global_batch // G
+    mbs = [b for b in space.micro_batches if per_rank % b == 0]
+    skipped += [f"micro-batch {b}: does not divide the {per_rank} sequences per GPU" for b in space.micro_batches
+                if b not in mbs]
+    eps, why = legal_ep_sizes(E, G)
+    skipped += why
+    if not space.expert_parallel:
+        skipped += [f"ep={ep}: the expert_parallel pass is not available" for ep in eps if ep > 1]
+        eps = [1]
+    out: list[Candidate] = []
+    for ep in eps:
+        comm = [("alltoall", "dropless", None)]
+        if ep > 1:
+            comm = [(d, m, cf) for d in space.dispatchers for m in space.dispatch_modes
+                    for cf in (space.capacity_factors if m == "static" else (None,))]
+        chunk_opts = [0] + [c for c in space.overlap_chunks if ep > 1]
+        for (disp, mode, cf), chunks, rc, fp8, mb in itertools.product(
+                comm, chunk_opts, space.recompute_sets, space.fp8_recipes, mbs):
+            plan = Plan.from_dict(_plan_dict(base or {}, experts, ep, disp, mode, cf, rc, fp8, chunks))
+            out.append(Candidate(plan, micro_batch=mb, overlap_chunks=chunks))
+    return out, skipped
+
+
+@dataclasses.dataclass
+class PlanReport:
+    """Ranked plans that fit, plans rejected (with the reason), and what the search left out."""
+
+    profile: ModelProfile
+    cluster: Cluster
+    global_batch: int
+    ranked: list[Estimate]
+    rejected: list[tuple[Estimate, str]]
+    skipped: list[str]
+    notes: list[str]
+
+    @property
+    def best(self) -> Estimate:
+        if not self.ranked:
+            reasons = "; ".join(f"{e.candidate.describe()}: {why}" for e, why in self.rejected[:3]) or \
+                "; ".join(self.skipped[:3])
+            raise MoecompileError(
+                f"no plan for {self.profile.name} fits {self.cluster.gpus} x {self.cluster.name} "
+                f"({reasons}); add GPUs, lower the micro-batch or sequence length, or enable recompute / FP8")
+        return self.ranked[0]
+
+    def save(self, path: str) -> Plan:
+        """Write the best plan as a plan.yaml that ``moecompile.convert`` accepts."""
+        plan = self.best.plan
+        plan.save(path)
+        return plan
+
+    def table(self, top: int = 5) -> str:
+        from .explain import table
+
+        return table(self, top)
+
+    def explain(self, top: int = 1) -> str:
+        from .explain import explain
+
+        return "\n\n".join(explain(e) for e in self.ranked[:top])
+
+
+def search(profile_for: Callable[[Candidate], ModelProfile], experts: dict, cluster: Cluster, global_batch: int,
+           space: SearchSpace | None = None, base: dict | None = None) -> PlanReport:
+    """Price every legal candidate with the profile of its graph, and rank those that fit by step time.
+
+    ``profile_for(candidate)`` returns the profile of the graph converted with that candidate's
+    recompute / fp8 sections (the search caches nothing itself; the profiler does).
+    """
+    space = space or SearchSpace.available()
+    cands, skipped = enumerate_candidates(experts, cluster, global_batch, space, base)
+    fits: list[Estimate] = []
+    rejected: list[tuple[Estimate, str]] = []
+    profile = None
+    for cand in cands:
+        try:
+            prof = profile_for(cand)
+        except MoecompileError as e:
+            skipped.append(f"{cand.describe()}: could not profile ({e})")
+            continue
+        profile = profile or prof
+        est = estimate(prof, cluster, cand, global_batch)
+        if est.fits:
+            fits.append(est)
+        else:
+            rejected.append((est, est.misfit_reason()))
+    if profile is None:
+        raise MoecompileError("no candidate plan could be profiled: " + "; ".join(skipped[:3]))
+    fits.sort(key=_rank_key)
+    rejected.sort(key=lambda r: r[0].memory_bytes)
+    return PlanReport(profile, cluster, global_batch, fits, rejected, skipped, list(space.notes) + profile.notes)
+
+
+def _rank_key(est: Estimate) -> tuple:
+    """Fastest first; on a tie prefer dropless, fewer chunks, no recompute, larger micro-batch."""
+    c = est.candidate
+    return (round(est.step_s, 9), c.plan.parallel.dispatch_mode != "dropless", c.overlap_chunks,
+            len(c.plan.recompute.modules), -c.micro_batch)
+
+
+def iter_sections(cand: Candidate) -> dict:
+    """The plan sections (besides experts/parallel) that change the graph, for profiling a candidate."""
+    d = cand.plan.to_dict()
+    return {k: d[k] for k in ("recompute", "fp8") if k in d and d[k] != Plan().to_dict()[k]}
+
