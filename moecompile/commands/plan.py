@@ -1,0 +1,57 @@
+"""``moecompile plan``: which plan fits a cluster, how fast it should run, and a plan.yaml for convert.
+
+    moecompile plan --model deepseek-v3 --cluster h100 --gpus 256 --global-batch 1024 --seq-len 4096
+    moecompile plan --model tiny-llama --experts '{"num_experts": 8, "top_k": 2}' --cluster h100 \\
+        --gpus 8 --global-batch 64 --seq-len 128 --explain --out plan.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+HELP = "Rank the plans that fit a cluster by predicted step time; write the best as plan.yaml."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True,
+                   help="deepseek-v3 | qwen3-235b-a22b | a zoo name | a Hugging Face config.json")
+    p.add_argument("--cluster", default="h100", help="preset: h100, h200, gb200 (default h100)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs in the cluster (default: one node)")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--experts", default=None, help="experts plan as JSON, for a dense model (or to override an MoE's)")
+    p.add_argument("--micro-batches", default="1,2,4", help="micro-batch sizes to try (sequences), comma-separated")
+    p.add_argument("--fp8", default=None, help="FP8 recipes to try, e.g. none,blockwise (default: all the pass has)")
+    p.add_argument("--top", type=int, default=5, help="plans to show")
+    p.add_argument("--explain", action="store_true", help="print every term of the best plan's estimate")
+    p.add_argument("--out", default=None, help="write the best plan here (plan.yaml)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import MoecompileError
+    from ..planner import SearchSpace, plan_for
+
+    try:
+        experts = json.loads(args.experts) if args.experts else None
+        overrides = {"micro_batches": tuple(int(x) for x in args.micro_batches.split(",") if x)}
+        space = SearchSpace.available(**overrides)
+        if args.fp8:
+            space = dataclasses.replace(space, fp8_recipes=tuple(r for r in args.fp8.split(",") if r))
+        report = plan_for(args.model, args.cluster, gpus=args.gpus, global_batch=args.global_batch,
+                          seq_len=args.seq_len, experts=experts, space=space)
+    except (MoecompileError, json.JSONDecodeError) as e:
+        print(f"moecompile plan: {e}", file=sys.stderr)
+        return 2
+    print(report.table(args.top))
+    if not report.ranked:
+        return 1
+    if args.explain:
+        print()
+        print(report.explain())
+    if args.out:
+        report.save(args.out)
+        print(f"\nwrote the best plan to {args.out}")
+    return 0
