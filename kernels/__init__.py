@@ -22,6 +22,7 @@ runs (CUDA -> Triton, CPU -> reference, `MOECOMPILE_KERNELS=triton|reference`
 or `backend.use(...)` forces one), so call sites never branch on what is installed.
 """
 from . import backend
+from .ep_ops import sort_chunks, sort_chunks_ref
 from .fp8_quantize import dequantize_fp8, quantize_fp8, quantize_fp8_ref
 from .glu import glu, glu_ref
 from .grouped_mm import grouped_mm, grouped_mm_ref
@@ -45,6 +46,8 @@ __all__ = [
     "quantize_fp8_ref",
     "route",
     "route_ref",
+    "sort_chunks",
+    "sort_chunks_ref",
     "unpermute",
     "unpermute_ref",
 ]

@@ -11,6 +11,7 @@ import torch.nn as nn
 
 import moecompile.passes  # noqa: F401  (registers the built-in passes)
 
+from .distributed import resolve_world
 from .frontend import accept_missing_constant_kwargs, example_kwargs_for, flat_inputs, trace
 from .history import PassRecord
 from .pass_manager import Options, PassContext, resolve_order, run_passes
@@ -68,8 +69,10 @@ def convert(
     """Convert ``model`` into an MoE GraphModule as ``plan`` says; ``model`` is left untouched.
 
     ``passes`` adds user passes (registered names or functions) to the built-in pipeline.
+    With ``torch.distributed`` initialised and no ``world``, the world is built from ``plan.parallel``.
     """
     plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)
+    world = resolve_world(plan, world)  # before tracing: a plan the world can't run fails first
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
     kwargs = example_kwargs_for(model, example_kwargs)

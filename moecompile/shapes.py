@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch._subclasses import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 
@@ -27,6 +28,12 @@ class _NodeNamingProp(FakeTensorProp):
 
 
 def propagate_fake(gm: fx.GraphModule, inputs: list[Any]) -> None:
-    """Fill ``meta["val"]`` on every node from the example inputs (real tensors are faked)."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    """Fill ``meta["val"]`` on every node from the example inputs (real tensors are faked).
+
+    Input shapes stay static; the ShapeEnv gives data-dependent sizes (a dropless dispatch's
+    per-rank token counts) unbacked SymInts. Each run mints its own, so old bindings are dropped.
+    """
+    for n in gm.graph.nodes:
+        n.meta.pop("unbacked_bindings", None)
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
     _NodeNamingProp(gm, mode).propagate(*inputs)

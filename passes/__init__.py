@@ -2,3 +2,4 @@
 
 from . import find_ffn, upcycle  # noqa: F401
 from . import fp8  # noqa: F401
+from . import expert_parallel  # noqa: F401

@@ -1,0 +1,71 @@
+"""The ``alltoall`` dispatcher of ``expert_parallel``: routed copies travel to their expert's rank and back.
+
+Rows leave the local permute sorted by global expert, so they are already grouped by
+destination rank (expert e lives on rank e // L). They arrive source-major, blocks
+(source s, local expert e); ``sort_chunks`` makes them expert-major for the GEMMs and its
+transpose undoes that before the return trip. The combine (``unpermute``) stays on the
+source rank, where the tokens' routing weights are.
+
+    dropless   splits from a count exchange (one host sync); the last send split is written
+               N - (the others), so the returning buffer provably has the permute's N rows
+    static     every split is L*C rows: no count exchange, no host sync
+Legend: P ep ranks, L = E/P local experts, C capacity, N rows sent, M rows received, H hidden.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from moecompile.distributed import ALL_TO_ALL, World
+from moecompile.meta import Role
+
+from .expert_parallel import Emit, rewire_experts
+
+aten, mc = torch.ops.aten, torch.ops.moecompile
+D, CC = Role.DISPATCH, Role.COMBINE_COMM
+
+
+def _swap_blocks(em: Emit, role: Role, x: fx.Node, a: int, b: int, rows: int, width: int) -> fx.Node:
+    """[a, b, rows, width] blocks -> [b, a, rows, width] (static mode's fixed-size sort_chunks)."""
+    grid = em(role, aten.view.default, x, [a, b, rows, width])
+    return em(role, aten.reshape.default, em(role, aten.transpose.int, grid, 0, 1), [-1, width])
+
+
+def rewrite(gm: fx.GraphModule, em: Emit, world: World, capacity: int | None) -> None:
+    block = em.block
+    P = world.ep
+    L = block.info["num_experts"] // P
+    x_NH, sizes_E = block.outs[0], block.outs[2]
+
+    with em.at(block.experts[0]):
+        if capacity is None:
+            counts = em.collective(ALL_TO_ALL, sizes_E, [L] * P, [L] * P, what="dispatch counts")
+            counts_PL = em(D, aten.view.default, counts, [P, L])  # rows from source s for my expert e
+            send_P = em(D, aten.sum.dim_IntList, em(D, aten.view.default, sizes_E, [P, L]), [1])
+            recv_P = em(D, aten.sum.dim_IntList, counts_PL, [1])
+            splits = em.host_ints(D, em(D, aten.cat.default, [send_P, recv_P]), 2 * P)
+            last = em(D, aten.sym_size.int, x_NH, 0)
+            for s in splits[: P - 1]:
+                last = em(D, operator.sub, last, s)
+            send, recv = [*splits[: P - 1], last], splits[P:]
+            x_MH = em.collective(ALL_TO_ALL, x_NH, recv, send, what="dispatch")
+            x_in = em(D, mc.sort_chunks.default, x_MH, counts_PL)
+            sizes_L = em(D, aten.sum.dim_IntList, counts_PL, [0])
+        else:
+            send = recv = [L * capacity] * P
+            x_MH = em.collective(ALL_TO_ALL, x_NH, recv, send, what="dispatch")
+            x_in = _swap_blocks(em, D, x_MH, P, L, capacity, x_NH.meta["val"].shape[1])
+            sizes_L = em(D, aten.new_full.default, sizes_E, [L], P * capacity)
+    rewire_experts(block, x_in, sizes_L)
+
+    y_MH = block.expert_out
+    with em.at(block.unpermute):
+        if capacity is None:
+            y_src = em(CC, mc.sort_chunks.default, y_MH, em(CC, aten.t.default, counts_PL))
+        else:
+            y_src = _swap_blocks(em, CC, y_MH, L, P, capacity, y_MH.meta["val"].shape[1])
+        y_NH = em.collective(ALL_TO_ALL, y_src, send, recv, what="combine")
+    block.unpermute.replace_input_with(y_MH, y_NH)

@@ -1,0 +1,242 @@
+"""Pass ``expert_parallel``: shard each MoE layer's experts over the ep group and move tokens to them.
+
+Before (one layer, as ``upcycle`` built it; E experts, all local)::
+
+    x_NH, row_src_N, sizes_E, load_E = moecompile.permute(x_TH, idx_TK, w_TK, E, C, policy)
+    y_NH = experts(x_NH, sizes_E)              # grouped_mm -> act -> grouped_mm over E experts
+    y_TH = moecompile.unpermute(y_NH, row_src_N, w_TK, T)
+
+After, ``alltoall`` (rank keeps experts [lo, hi), L = E/ep of them; M rows arrive)::
+
+    counts = wait(all_to_all_single(sizes_E, [L]*ep, [L]*ep))       # dropless only: rows per (source, expert)
+    send, recv = host splits                                          # dropless only: the one host sync
+    x_MH = wait(all_to_all_single(x_NH, recv, send))                  # dispatch
+    y_MH = sort_chunks(experts(sort_chunks(x_MH, counts), counts.sum(0)), counts.T)
+    y_NH = wait(all_to_all_single(y_MH, send, recv))                  # combine, back on the source rank
+    y_TH = moecompile.unpermute(y_NH, row_src_N, w_TK, T)
+
+``allgather``: gather x_TH / idx_TK / w_TK of the ep group, permute the gathered tokens to the
+local experts, run them, unpermute into a partial [ep*T, H], reduce-scatter the sum back.
+``static`` mode: the permute keeps C rows per expert (parallel.capacity_factor, per source rank),
+so every buffer and split is fixed and nothing syncs the host. Collective starts are torch's
+functional collectives; their waits are ``moecompile.wait_tensor`` (named failures).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+import moecompile.kernels  # noqa: F401  (registers torch.ops.moecompile.*)
+from moecompile import distributed
+from moecompile.distributed import ExpertShard, World
+from moecompile.errors import DistributedError, PassError
+from moecompile.meta import MoEInfo, Role, moe
+from moecompile.outputs import add_side_outputs
+from moecompile.pass_manager import PassContext, register_pass, register_verifier
+
+aten, mc = torch.ops.aten, torch.ops.moecompile
+EXPERT_TENSORS = ("w_in", "w_out", "b_in", "b_out")  # MoEInfo.params keys sharded along dim 0
+
+
+@dataclasses.dataclass
+class Block:
+    """One MoE layer's nodes around its expert section (what both dispatchers rewrite)."""
+
+    layer: str
+    info: MoEInfo
+    permute: fx.Node
+    outs: dict[int, fx.Node]  # permute output index -> its getitem (0 x_NH, 1 row_src_N, 2 sizes_E, 3 load_E)
+    experts: list[fx.Node]  # expert section in graph order (grouped_mm, act, grouped_mm, ...)
+    unpermute: fx.Node
+
+    @property
+    def expert_out(self) -> fx.Node:
+        return self.unpermute.args[0]  # type: ignore[return-value]
+
+
+class Emit:
+    """Builds nodes before ``anchor``, stamped with the layer, a role and the permute's provenance."""
+
+    def __init__(self, gm: fx.GraphModule, block: Block, group: str):
+        self.graph, self.block, self.group = gm.graph, block, group
+
+    def at(self, anchor: fx.Node) -> Any:
+        return self.graph.inserting_before(anchor)
+
+    def __call__(self, role: Role, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        node = self.graph.call_function(target, args, kwargs)
+        for key in ("nn_module_stack", "stack_trace"):
+            if key in self.block.permute.meta:
+                node.meta[key] = self.block.permute.meta[key]
+        node.meta["moe"] = {"layer": self.block.layer, "role": role}
+        return node
+
+    def collective(self, start: Any, x: fx.Node, *args: Any, what: str) -> fx.Node:
+        """A functional-collective start on the ep group and its (named) wait; returns the wait."""
+        label = f"{self.block.layer}: {what}"
+        s = self(Role.COLLECTIVE_START, start, x, *args, self.group)
+        w = self(Role.COLLECTIVE_WAIT, mc.wait_tensor.default, s, label, self.group)
+        s.meta["moe"]["group"] = w.meta["moe"]["group"] = self.group
+        return w
+
+    def host_ints(self, role: Role, t: fx.Node, n: int) -> list[fx.Node]:
+        """The ``n`` values of int tensor ``t`` as SymInt nodes: one device-to-host copy."""
+        host = self(role, aten._to_copy.default, t, device=torch.device("cpu"))
+        parts = self(role, aten.unbind.int, host)
+        return [self(role, aten._local_scalar_dense.default, self(role, operator.getitem, parts, i)) for i in range(n)]
+
+
+def find_blocks(gm: fx.GraphModule) -> list[Block]:
+    by_layer: dict[str, dict[str, Any]] = {}
+    for n in gm.graph.nodes:
+        meta = n.meta.get("moe", {})
+        layer = meta.get("layer")
+        if layer is None:
+            continue
+        d = by_layer.setdefault(layer, {"experts": []})
+        if "moe" in meta:
+            d["info"] = meta["moe"]
+        if n.target is mc.permute.default:
+            d["permute"] = n
+        elif n.target is mc.unpermute.default:
+            d["unpermute"] = n
+        elif meta.get("role") in (Role.EXPERTS, Role.EXPERT_ACT):
+            d["experts"].append(n)
+    blocks = []
+    for layer, d in by_layer.items():
+        if "info" not in d:
+            continue
+        if not all(k in d for k in ("permute", "unpermute")) or not d["experts"]:
+            raise PassError("expert_parallel", [], f"MoE layer {layer} has no permute -> experts -> unpermute section")
+        outs = {u.args[1]: u for u in d["permute"].users if u.target is operator.getitem}
+        blocks.append(Block(layer, d["info"], d["permute"], outs, d["experts"], d["unpermute"]))
+    return blocks
+
+
+def rewire_experts(block: Block, x_in: fx.Node, sizes: fx.Node) -> None:
+    """Point the expert section at the rows that arrived and the local experts' group sizes."""
+    section = set(block.experts)
+    allowed = {block.outs.get(0), block.outs.get(2)}
+    for n in block.experts:
+        for arg in n.all_input_nodes:
+            if arg not in section and arg not in allowed and arg.op != "get_attr":
+                raise PassError("expert_parallel", [], f"the expert section reads {arg.name}, which expert "
+                                "parallelism doesn't know how to move to the experts' ranks", node=n.format_node())
+    for old, new in ((block.outs.get(0), x_in), (block.outs.get(2), sizes)):
+        for n in block.experts:
+            if old is not None and old in n.all_input_nodes:
+                n.replace_input_with(old, new)
+
+
+def _static_capacity(ctx: PassContext, block: Block) -> int | None:
+    cf = ctx.plan.parallel.static_capacity_factor(ctx.plan.experts)
+    if cf is None:
+        return None
+    tokens = int(block.permute.args[0].meta["val"].shape[0])  # type: ignore[union-attr]
+    return dataclasses.replace(ctx.plan.experts, capacity_factor=cf).capacity(tokens)
+
+
+def _shard(gm: fx.GraphModule, block: Block, lo: int, hi: int) -> None:
+    """Keep rows [lo, hi) of every expert tensor, under the same name; record the global range."""
+    E = block.info["num_experts"]
+    for key in EXPERT_TENSORS:
+        name = block.info["params"].get(key)
+        if name is None:
+            continue
+        owner_path, leaf = name.rpartition(".")[::2]
+        owner = gm.get_submodule(owner_path)
+        p = owner._parameters[leaf]
+        if p.shape[0] != E:
+            raise PassError("expert_parallel", [], f"{name} has {p.shape[0]} rows, expected one per expert ({E})")
+        owner._parameters[leaf] = nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad)
+        owner.expert_shard = ExpertShard(lo, hi, E)
+    block.info["expert_range"] = (lo, hi)
+
+
+def replace_load(gm: fx.GraphModule, block: Block, load: fx.Node) -> None:
+    """Route the router stats' ``load`` to ``load`` (the local permute that counted it is going away)."""
+    old = block.outs.get(3)
+    if old is None:
+        return
+    old.replace_all_uses_with(load)
+    state = gm.meta.get("moe_side_outputs")
+    if state and block.layer in state["side"]:
+        by_name = {n.name: n for n in gm.graph.nodes}
+        side = {k: (load if v == old.name else by_name[v]) for k, v in state["side"][block.layer].items()}
+        add_side_outputs(gm, block.layer, side)
+
+
+@register_pass("expert_parallel", after="upcycle", requires=("moe",), provides=("expert_parallel",))
+def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    cfg = ctx.plan.parallel
+    world: World | None = ctx.world
+    if cfg.ep > 1 and (world is None or world.ep != cfg.ep):
+        raise DistributedError(
+            f"parallel.ep={cfg.ep} but the conversion's world is "
+            f"{'missing' if world is None else f'built for ep={world.ep}'}: initialise torch.distributed "
+            "(torchrun, or moecompile.distributed.init(plan)) before convert"
+        )
+    layers = []
+    for block in find_blocks(gm):
+        E = block.info["num_experts"]
+        capacity = _static_capacity(ctx, block)
+        if capacity is not None and block.permute.args[4] != capacity:
+            block.permute.update_arg(4, capacity)
+        lo, hi = world.expert_range(E) if world is not None and cfg.ep > 1 else (0, E)
+        _shard(gm, block, lo, hi)
+        mode = "dropless" if capacity is None else f"static, capacity {capacity} per expert per source rank"
+        if cfg.ep == 1:
+            ctx.decide(f"{block.layer}: ep=1, all {E} experts local ({mode})")
+            layers.append(block.layer)
+            continue
+        assert world is not None
+        from . import ep_allgather, ep_alltoall  # they build on Emit / Block above
+
+        dispatcher = ep_alltoall.rewrite if cfg.dispatcher == "alltoall" else ep_allgather.rewrite
+        dispatcher(gm, Emit(gm, block, world.ep_group_name), world, capacity)
+        ctx.decide(
+            f"{block.layer}: experts [{lo}, {hi}) of {E} on ep rank {world.ep_rank}/{world.ep} "
+            f"(group {world.ep_ranks}), {cfg.dispatcher} dispatch, {mode}"
+        )
+        layers.append(block.layer)
+    ctx.record(ep=cfg.ep, dispatcher=cfg.dispatcher, dispatch_mode=cfg.dispatch_mode, layers=layers,
+               ep_ranks=list(world.ep_ranks) if world is not None else [0])
+    gm.graph.lint()
+    return gm
+
+
+# ---------------------------------------------------------------- legal IR after this pass
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+
+
+def is_collective_start(n: fx.Node) -> bool:
+    t = n.target
+    return (n.op == "call_function" and isinstance(t, torch._ops.OpOverload) and t.namespace in _COLLECTIVE_NAMESPACES
+            and t not in distributed.WAITS)
+
+
+def verify_collectives(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Every collective has exactly one wait, is used only by it, and nothing reads it unwaited."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in distributed.WAITS:
+            assert isinstance(n.args[0], fx.Node) and is_collective_start(n.args[0]), (
+                f"{n.format_node()} waits on something that is not a collective start")
+            assert all(order[u] > order[n] for u in n.users), f"a use of {n.name} precedes it"
+        if not is_collective_start(n):
+            continue
+        waits = [u for u in n.users if u.target in distributed.WAITS]
+        assert len(waits) == 1, f"collective {n.format_node()} has {len(waits)} waits, needs exactly one"
+        assert len(n.users) == 1, (
+            f"collective {n.name} is read before its wait by {[u.name for u in n.users if u not in waits]}")
+        assert "group" in moe(n), f"collective {n.name} has no meta['moe']['group']"
+
+
+register_verifier("expert_parallel", verify_collectives)
