@@ -94,6 +94,8 @@ def expand_scale(scale: Tensor, shape: tuple, recipe: str, block: int) -> Tensor
 
 
 def _amax(x_f: Tensor, recipe: str, block: int) -> Tensor:
+    if x_f.numel() == 0:  # amax of nothing: 0 (clamped to AMAX_EPS by the caller)
+        return x_f.new_zeros(scale_shape(tuple(x_f.shape), recipe, block))
     a = x_f.abs()
     if recipe == "tensorwise":
         return a.amax(dim=(-2, -1))
@@ -113,10 +115,12 @@ def quantize_fp8_ref(x: Tensor, recipe: str, fmt: str, block: int) -> tuple[Tens
     fmax = fp8_max(fmt)
     x_f = x.float()
     amax = _amax(x_f, recipe, block).clamp(min=AMAX_EPS)
-    inv = expand_scale(fmax / amax, tuple(x.shape), recipe, block)
+    # tensor / tensor: IEEE division (`float / tensor` is reciprocal-then-multiply, two roundings)
+    fmax_t = torch.tensor(fmax, dtype=torch.float32, device=x.device)
+    inv = expand_scale(fmax_t / amax, tuple(x.shape), recipe, block)
     q = (x_f * inv).clamp(-fmax, fmax).to(FORMATS[fmt])
     scale = empty_scale(x, recipe, block)
-    scale.copy_(amax / fmax)
+    scale.copy_(amax / fmax_t)
     return q, scale
 
 

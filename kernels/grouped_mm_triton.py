@@ -166,7 +166,7 @@ def _configs() -> list:
     ]
 
 
-_INTERPRET_CFG = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)
+_INTERPRET_CFG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64)  # few programs: each costs ~5 ms interpreted
 
 
 def _autotuned(kernel, key):

@@ -1,0 +1,306 @@
+"""Every Triton body against its torch reference, forward and backward, under TRITON_INTERPRET=1 on CPU.
+
+Legend: T tokens, E experts, K top-k, H hidden, N permuted rows, I in, O out, F FFN width, R x C matrices.
+
+Each property draws a shape (hypothesis; derandomized so CI is reproducible),
+builds tensors from a drawn seed, runs the public op once with
+`backend.use("triton")` and once with `backend.use("reference")`, and compares:
+exactly for indices, layouts and fp8 bytes, within a per-dtype tolerance for
+floats. `@example`s pin the awkward shapes (an expert with no tokens, one
+token, k = E, hidden sizes that are not a power of two, E = 64). The
+`*_many` twins run the same properties with many more examples (slow).
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the first Triton body is imported (backend loads them lazily)
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import torch  # noqa: E402
+
+import moecompile.kernels as mk  # noqa: E402
+from moecompile.kernels import backend  # noqa: E402
+from moecompile.kernels.grouped_mm_fp8 import GEMM_RECIPES  # noqa: E402
+
+DTYPES = (torch.float32, torch.bfloat16)
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=5e-2, rtol=2e-2),
+       torch.float64: dict(atol=1e-10, rtol=1e-10)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreted():
+    with backend.use("triton"):
+        mk.glu(torch.randn(1, 2))  # imports the first Triton module
+    if not backend.interpreting():
+        pytest.skip("the Triton bodies were imported compiled (TRITON_INTERPRET unset at first use)")
+
+
+def both(fn):
+    """(triton result, reference result) of fn() under each forced backend."""
+    got = {}
+    for name in ("triton", "reference"):
+        with backend.use(name):
+            got[name] = fn()
+    return got["triton"], got["reference"]
+
+
+def close(got, want, dtype, what=""):
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and g.shape == w.shape, (what, i, g.dtype, w.dtype, g.shape, w.shape)
+        torch.testing.assert_close(g.double(), w.double(), **TOL[dtype], msg=lambda m: f"{what}[{i}]: {m}")
+
+
+def grads(out, inputs, seed):
+    g = torch.Generator().manual_seed(seed + 1)
+    grad_out = torch.randn(out.shape, generator=g).to(out.dtype)
+    return torch.autograd.grad(out, inputs, grad_out)
+
+
+def prop(strategy, examples=(), fast=10, slow=150):
+    """(fast test, slow twin) of `check` over `strategy`, with pinned examples."""
+    def deco(check):
+        def make(n, **kw):
+            fn = given(strategy)(check)
+            for ex in examples:
+                fn = example(ex)(fn)
+            return settings(max_examples=n, deadline=None, suppress_health_check=list(HealthCheck), **kw)(fn)
+        return make(fast, derandomize=True), pytest.mark.slow(make(slow))
+    return deco
+
+
+def _routing(gen, T, E, K, empty_expert):
+    """idx_TK with distinct experts per token; the last expert gets nobody if asked (and K < E)."""
+    pool = E - 1 if (empty_expert and K < E) else E
+    return torch.stack([torch.randperm(pool, generator=gen)[:K] for _ in range(T)]) if T else \
+        torch.zeros(0, K, dtype=torch.int64)
+
+
+# -------------------------------------------------------------------------- route
+
+
+@st.composite
+def route_cases(draw):
+    E = draw(st.integers(1, 64))
+    return dict(T=draw(st.integers(1, 40)), E=E, K=draw(st.integers(1, min(8, E))),
+                score=draw(st.sampled_from(["softmax", "sigmoid"])), normalize=draw(st.booleans()),
+                bias=draw(st.booleans()), dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 2**16)))
+
+
+def check_route(case):
+    T, E, K, dtype = case["T"], case["E"], case["K"], case["dtype"]
+    gen = torch.Generator().manual_seed(case["seed"])
+    # distinct logits (multiples of 1/16, exact in bf16): top-k has no ties to break differently
+    logits = torch.stack([torch.randperm(E, generator=gen) for _ in range(T)]).float() / 16 - 2
+    logits = logits.to(dtype).requires_grad_()
+    bias = torch.randn(E, generator=gen) * 0.01 if case["bias"] else None
+
+    def run():
+        w, idx = mk.route(logits, bias, K, case["score"], case["normalize"])
+        return (w, idx, *grads(w, (logits,), case["seed"]))
+    (w, idx, dl), (w_r, idx_r, dl_r) = both(run)
+    assert torch.equal(idx, idx_r)
+    close((w, dl), (w_r, dl_r), torch.float32 if dtype == torch.float32 else dtype, "route")
+
+
+test_route, test_route_many = prop(route_cases(), examples=[
+    dict(T=1, E=1, K=1, score="softmax", normalize=True, bias=False, dtype=torch.float32, seed=0),
+    dict(T=33, E=64, K=8, score="sigmoid", normalize=True, bias=True, dtype=torch.bfloat16, seed=1),
+    dict(T=5, E=3, K=3, score="softmax", normalize=False, bias=True, dtype=torch.float32, seed=2),
+])(check_route)
+
+
+# --------------------------------------------------------------- permute / unpermute
+
+
+@st.composite
+def dispatch_cases(draw):
+    E = draw(st.integers(1, 64))
+    return dict(T=draw(st.integers(1, 40)), E=E, K=draw(st.integers(1, min(8, E))), H=draw(st.integers(1, 70)),
+                capacity=draw(st.sampled_from([0, 0, 1, 3, 8])), policy=draw(st.sampled_from(["position", "probs"])),
+                align=draw(st.sampled_from([1, 1, 4, 16])), empty=draw(st.booleans()),
+                dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 2**16)))
+
+
+def check_dispatch(case):
+    T, E, K, H, dtype = case["T"], case["E"], case["K"], case["H"], case["dtype"]
+    gen = torch.Generator().manual_seed(case["seed"])
+    x = torch.randn(T, H, generator=gen).to(dtype).requires_grad_()
+    idx = _routing(gen, T, E, K, case["empty"])
+    w = torch.rand(T, K, generator=gen).requires_grad_()
+
+    def run():
+        x_NH, row_src, sizes, load = mk.permute(x, idx, w.detach(), E, case["capacity"], case["policy"],
+                                                case["align"])
+        y_NH = (x_NH.float() * 1.5 + 0.25).to(dtype)  # rows differ from x so the combine is tested
+        out = mk.unpermute(y_NH, row_src, w, T)
+        gx, gw = grads(out, (x, w), case["seed"])
+        return (x_NH, row_src, sizes, load), (out, gx, gw)
+    (layout, floats), (layout_r, floats_r) = both(run)
+    for name, g, r in zip(["x_NH", "row_src_N", "group_sizes_E", "load_E"], layout, layout_r):
+        assert torch.equal(g, r), (name, g, r)
+    close(floats, floats_r, dtype, "unpermute")
+
+
+test_permute_unpermute, test_permute_unpermute_many = prop(dispatch_cases(), examples=[
+    dict(T=1, E=4, K=2, H=7, capacity=0, policy="position", align=1, empty=True, dtype=torch.float32, seed=0),
+    dict(T=40, E=64, K=8, H=33, capacity=0, policy="position", align=16, empty=True, dtype=torch.bfloat16,
+         seed=1),
+    dict(T=20, E=3, K=3, H=5, capacity=3, policy="probs", align=4, empty=False, dtype=torch.float32, seed=2),
+    dict(T=23, E=2, K=1, H=64, capacity=8, policy="position", align=1, empty=True, dtype=torch.float32, seed=3),
+])(check_dispatch)
+
+
+# ----------------------------------------------------------------------- grouped_mm
+
+
+@st.composite
+def gemm_cases(draw):
+    E = draw(st.integers(1, 12))
+    sizes = draw(st.lists(st.sampled_from([0, 1, 5, 16, 17, 33]), min_size=E, max_size=E))
+    return dict(sizes=sizes, I=draw(st.integers(1, 70)), O=draw(st.integers(1, 70)), bias=draw(st.booleans()),
+                dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 2**16)))
+
+
+def check_grouped_mm(case):
+    sizes, I, O, dtype = torch.tensor(case["sizes"]), case["I"], case["O"], case["dtype"]
+    E, N = sizes.shape[0], int(sizes.sum())
+    gen = torch.Generator().manual_seed(case["seed"])
+    x = torch.randn(N, I, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(E, O, I, generator=gen) / I**0.5).to(dtype).requires_grad_()
+    b = torch.randn(E, O, generator=gen).to(dtype).requires_grad_() if case["bias"] else None
+    inputs = (x, w) if b is None else (x, w, b)
+
+    def run():
+        y = mk.grouped_mm(x, w, sizes, b)
+        return (y, *grads(y, inputs, case["seed"]))
+    got, want = both(run)
+    close(got, want, dtype, "grouped_mm")
+
+
+test_grouped_mm, test_grouped_mm_many = prop(gemm_cases(), examples=[
+    dict(sizes=[0, 3, 0, 2], I=13, O=7, bias=True, dtype=torch.float32, seed=0),
+    dict(sizes=[17, 0, 33], I=64, O=40, bias=False, dtype=torch.bfloat16, seed=1),
+    dict(sizes=[1] * 8 + [0] * 56, I=9, O=5, bias=True, dtype=torch.float32, seed=2),  # E = 64
+])(check_grouped_mm)
+
+
+# ---------------------------------------------------------------------------- glu
+
+
+@st.composite
+def glu_cases(draw):
+    return dict(lead=draw(st.sampled_from([(1,), (37,), (70,), (2, 3)])), F=draw(st.integers(1, 70)),
+                act=draw(st.sampled_from(["silu", "gelu", "gelu_tanh", "relu"])), weight=draw(st.booleans()),
+                dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 2**16)))
+
+
+def check_glu(case):
+    lead, F, dtype = case["lead"], case["F"], case["dtype"]
+    gen = torch.Generator().manual_seed(case["seed"])
+    h = (torch.randn(*lead, 2 * F, generator=gen) * 2).to(dtype).requires_grad_()
+    w = torch.rand(*lead, generator=gen).requires_grad_() if case["weight"] else None
+    inputs = (h,) if w is None else (h, w)
+
+    def run():
+        out = mk.glu(h, case["act"], w)
+        return (out, *grads(out, inputs, case["seed"]))
+    got, want = both(run)
+    close(got, want, dtype, "glu")
+
+
+test_glu, test_glu_many = prop(glu_cases(), examples=[
+    dict(lead=(70,), F=45, act="gelu", weight=True, dtype=torch.bfloat16, seed=0),
+    dict(lead=(2, 3), F=1, act="relu", weight=False, dtype=torch.float32, seed=1),
+])(check_glu)
+
+
+# ------------------------------------------------------------------------------ fp8
+
+
+@st.composite
+def quant_cases(draw):
+    return dict(lead=draw(st.sampled_from([(), (3,)])), R=draw(st.integers(1, 70)), C=draw(st.integers(1, 150)),
+                recipe=draw(st.sampled_from(["tensorwise", "rowwise", "tile", "block"])),
+                fmt=draw(st.sampled_from(["e4m3", "e5m2"])), block=draw(st.sampled_from([16, 32])),
+                dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 2**16)))
+
+
+def check_quantize(case):
+    gen = torch.Generator().manual_seed(case["seed"])
+    shape = (*case["lead"], case["R"], case["C"])
+    x = (torch.randn(shape, generator=gen) * torch.logspace(-4, 2, case["C"])).to(case["dtype"])
+    (q, s), (q_r, s_r) = both(lambda: mk.quantize_fp8(x, case["recipe"], case["fmt"], case["block"]))
+    assert torch.equal(q.view(torch.uint8), q_r.view(torch.uint8))  # bit for bit
+    assert s.shape == s_r.shape and s.stride() == s_r.stride() and torch.equal(s, s_r)
+
+
+test_quantize_fp8, test_quantize_fp8_many = prop(quant_cases(), examples=[
+    dict(lead=(3,), R=33, C=130, recipe="block", fmt="e4m3", block=32, dtype=torch.bfloat16, seed=0),
+    dict(lead=(), R=1, C=1, recipe="tensorwise", fmt="e5m2", block=16, dtype=torch.float32, seed=1),
+])(check_quantize)
+
+
+@st.composite
+def fp8_gemm_cases(draw):
+    E = draw(st.integers(1, 6))
+    return dict(sizes=draw(st.lists(st.sampled_from([0, 1, 7, 16, 20]), min_size=E, max_size=E)),
+                I=draw(st.integers(1, 100)), O=draw(st.integers(1, 70)),
+                recipe=draw(st.sampled_from(["tensorwise", "rowwise", "blockwise"])),
+                block=draw(st.sampled_from([16, 32])), bias=draw(st.booleans()),
+                out=draw(st.sampled_from([torch.float32, torch.bfloat16])), seed=draw(st.integers(0, 2**16)))
+
+
+def check_grouped_mm_fp8(case):
+    sizes, I, O, B = torch.tensor(case["sizes"]), case["I"], case["O"], case["block"]
+    E, N = sizes.shape[0], int(sizes.sum())
+    x_recipe, w_recipe = GEMM_RECIPES[case["recipe"]]
+    gen = torch.Generator().manual_seed(case["seed"])
+    x, w = torch.randn(N, I, generator=gen), torch.randn(E, O, I, generator=gen) / I**0.5
+    b = torch.randn(E, O, generator=gen) if case["bias"] else None
+    with backend.use("reference"):
+        x_q, x_s = mk.quantize_fp8(x, x_recipe, "e4m3", B)
+        w_q, w_s = mk.quantize_fp8(w, w_recipe, "e4m3", B)
+    got, want = both(lambda: (mk.grouped_mm_fp8(x_q, x_s, w_q, w_s, sizes, case["recipe"], B, b, case["out"]),))
+    close(got, want, case["out"], "grouped_mm_fp8")
+
+
+test_grouped_mm_fp8, test_grouped_mm_fp8_many = prop(fp8_gemm_cases(), examples=[
+    dict(sizes=[0, 7, 0, 20], I=100, O=40, recipe="blockwise", block=16, bias=True, out=torch.bfloat16, seed=0),
+    dict(sizes=[16], I=1, O=1, recipe="tensorwise", block=16, bias=False, out=torch.float32, seed=1),
+])(check_grouped_mm_fp8)
+
+
+def test_fp8_dgrad_through_transposed_views():
+    """grouped_mm_fp8 on w_q.transpose(1, 2) and w_scale.transpose(-1, -2): the strided path."""
+    sizes = torch.tensor([5, 0, 11])
+    g, w = torch.randn(16, 48), torch.randn(3, 48, 40)
+    with backend.use("reference"):
+        g_q, g_s = mk.quantize_fp8(g, "tile", "e5m2", 16)
+        w_q, w_s = mk.quantize_fp8(w, "block", "e4m3", 16)
+    got, want = both(lambda: (mk.grouped_mm_fp8(g_q, g_s, w_q.transpose(1, 2), w_s.transpose(-1, -2), sizes,
+                                                "blockwise", 16, None, torch.float32),))
+    close(got, want, torch.float32, "dgrad")
+
+
+def test_moe_block_runs_on_triton_end_to_end():
+    """route -> permute(align) -> grouped_mm -> weighted glu -> grouped_mm -> unpermute, all Triton."""
+    T, E, K, H, Fh = 19, 6, 2, 24, 20
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=gen, requires_grad=True)
+    router = torch.randn(E, H, generator=gen, requires_grad=True)
+    w1 = (torch.randn(E, 2 * Fh, H, generator=gen) / H**0.5).requires_grad_()
+    w2 = (torch.randn(E, H, Fh, generator=gen) / Fh**0.5).requires_grad_()
+
+    def run():
+        weights, idx = mk.route(x @ router.T, None, K, "softmax", True)
+        x_NH, row_src, sizes, _ = mk.permute(x, idx, weights, E, 0, "position", 16)
+        w_N = torch.where(row_src >= 0, weights.reshape(-1)[row_src.clamp(min=0)], 0)
+        h = mk.glu(mk.grouped_mm(x_NH, w1, sizes), "silu", w_N)
+        out = mk.unpermute(mk.grouped_mm(h, w2, sizes), row_src, torch.ones_like(weights), T)
+        return (out, *grads(out, (x, router, w1, w2), 0))
+    got, want = both(run)
+    close(got, want, torch.float32, "block")
