@@ -158,7 +158,7 @@ def save(step: Any, path: str | Path) -> Path:
         dist.barrier(group=group)
     sd = state_dict(step)  # an optimizer that has not stepped yet has no state to write
     dcp.save(sd, checkpoint_id=str(tmp), process_group=group, no_dist=not distributed)
-    crcs = {k: _crc(v) for k, v in sd.items() if not k.startswith("rng/")}
+    crcs = {k: _crc(v) for k, v in sd.items()}
     if distributed:
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, crcs, group=group)
@@ -276,10 +276,7 @@ def load(step: Any, path: str | Path) -> None:
     sd = state_dict(step)
     _drop_unsaved_optimizer_state(step, sd, set(meta["crc32"]))
     rank = _rank(step)
-    rng_keys = [k for k in sd if k.startswith("rng/")]
-    saved_keys = set(meta["crc32"]) | {k for k in rng_keys if rank < meta["world_size"]}
-    optional = [k for k in rng_keys if k not in saved_keys]
-    for k in optional:
+    for k in [k for k in sd if k.startswith("rng/") and k not in meta["crc32"]]:
         log.warning("checkpoint %s has no RNG state for rank %d (saved with %d ranks); keeping this rank's RNG",
                     root, rank, meta["world_size"])
         del sd[k]

@@ -207,6 +207,9 @@ def _scan_joint(result: Any, loss_fn: Callable | None, example: tuple | None) ->
     except (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return [Finding("<forward+backward trace>", type(e).__name__, f"control flow or shapes depend on data: {first}")]
+    except Exception as e:  # what cannot be traced under fake tensors cannot be proven capturable
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return [Finding("<forward+backward trace>", type(e).__name__, f"could not be traced with static shapes: {first}")]
     finally:
         gm.moe_stats = saved
     return scan_graph(traced.graph)
