@@ -155,3 +155,17 @@ def test_forcing_triton_on_cpu_without_interpreter_says_how(monkeypatch):
     monkeypatch.setattr(backend, "_INTERPRETED", {})
     with backend.use("triton"), pytest.raises(KernelError, match="TRITON_INTERPRET=1"):
         mk.glu(torch.randn(2, 4))
+
+
+def test_gpu_benchmark_says_so_without_cuda(capsys):
+    import importlib.util
+    import pathlib
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the benchmark would run for real")
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "kernels_gpu.py"
+    spec = importlib.util.spec_from_file_location("kernels_gpu", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
