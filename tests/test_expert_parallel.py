@@ -1,0 +1,399 @@
+"""Expert parallelism: sharded experts, alltoall / allgather dispatch, dropless and static, over gloo.
+
+The oracle: for the same global batch, seed and initial weights, each rank's outputs and loss and
+every parameter's gradient (averaged as moecompile.distributed.reduce_gradients does, expert shards
+gathered) equal a single-process ep=1 run over the rank shards to <= 1e-5 relative. Experts are
+perturbed per global id after conversion so that a wrong expert mapping changes the numbers
+(upcycled experts start as identical copies). Scenarios spawn real processes (tests/_dist.py).
+Legend: E experts, K top-k, H hidden, L = E/ep local experts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import moecompile as mc
+from _dist import spawn
+
+E, K, H = 8, 2, 16
+TOL = 1e-5
+TIMEOUT_S = 20.0  # plan.parallel.timeout_s inside the scenarios: a broken collective fails, not hangs
+
+
+class GLU(nn.Module):
+    def __init__(self, h: int = H, f: int = 32):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False), nn.Linear(f, h, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class MLP(nn.Module):  # biases: b_in / b_out are sharded too
+    def __init__(self, h: int = H, f: int = 32):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(h, f), nn.Linear(f, h)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([GLU(), MLP()])
+        self.norm = nn.LayerNorm(H)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.norm(x)
+
+
+def experts(**kw) -> dict:
+    return {"num_experts": E, "top_k": K, "aux_loss": "aux", "z_loss_coeff": 1e-2, "router_noise": 0.05, **kw}
+
+
+def plan(ep: int, dispatcher: str = "alltoall", mode: str = "dropless", cf: float | None = None, **ekw) -> mc.Plan:
+    par = {"ep": ep, "dispatcher": dispatcher, "dispatch_mode": mode, "timeout_s": TIMEOUT_S}
+    if cf is not None:
+        par["capacity_factor"] = cf
+    return mc.Plan.from_dict({"experts": experts(**ekw), "parallel": par})
+
+
+def global_batch(world_size: int, tokens_per_rank: tuple[int, int] = (2, 6)) -> tuple[list, list]:
+    g = torch.Generator().manual_seed(1234)
+    xs = [torch.randn(*tokens_per_rank, H, generator=g) for _ in range(world_size)]
+    targets = [torch.randn(*tokens_per_rank, H, generator=g) for _ in range(world_size)]
+    return xs, targets
+
+
+def perturb(gm: nn.Module) -> None:
+    """Make expert e differ from the others by noise seeded with e (same on every rank and ep)."""
+    for name, shard in mc.distributed.expert_shards(gm).items():
+        p = gm.get_parameter(name)
+        with torch.no_grad():
+            for i, e in enumerate(range(shard.lo, shard.hi)):
+                g = torch.Generator().manual_seed(1000 + e)
+                p[i] += 0.2 * p[i].abs().mean() * torch.randn(p[i].shape, generator=g)
+
+
+def force_routing(gm: nn.Module, layer_experts: dict[str, list[int]]) -> None:
+    """Bias selection so every token of a layer picks the given experts (others get no tokens)."""
+    for layer, chosen in layer_experts.items():
+        bias = gm.get_buffer(f"{layer}.router.expert_bias")
+        bias.fill_(-10.0)
+        bias[chosen] = 10.0
+
+
+def idle_experts_and_ranks(gm: nn.Module) -> None:
+    """Layer 0 sends every token to rank 0's experts 0, 1; layer 1 to the last rank's experts 6, 7."""
+    force_routing(gm, {"layers.0": [0, 1], "layers.1": [6, 7]})
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) if b.numel() else 0.0
+
+
+def loss_of(result, y, target):
+    return (y * target).mean() + result.router_loss()
+
+
+_REFERENCES: dict = {}  # one ep=1 reference per (model, plan minus ep/dispatcher, setup) in a rank process
+
+
+def reference(model, p: mc.Plan, xs, targets, setup=None) -> tuple[list, list, dict]:
+    """ep = 1 over every rank's shard in this process: per-shard outputs and losses, mean-loss grads."""
+    import dataclasses
+
+    single = p.replace(parallel=dataclasses.replace(p.parallel, ep=1, dispatcher="alltoall"))
+    key = (id(model), repr(single), setup)
+    if key in _REFERENCES:
+        return _REFERENCES[key]
+    ref = mc.convert(model, single, (xs[0],))
+    perturb(ref.module)
+    if setup:
+        setup(ref.module)
+    outs, losses = [], []
+    for x, t in zip(xs, targets):
+        y = ref.module(x)
+        losses.append(loss_of(ref, y, t))
+        outs.append(y.detach())
+    (sum(losses) / len(losses)).backward()
+    grads = {n: q.grad.clone() for n, q in ref.module.named_parameters() if q.grad is not None}
+    _REFERENCES[key] = outs, [float(v.detach()) for v in losses], grads
+    return _REFERENCES[key]
+
+
+def gathered_grads(gm: nn.Module, world) -> dict:
+    """Every parameter's (reduced) gradient; expert shards all-gathered over the ep group."""
+    import torch.distributed as dist
+
+    shards = mc.distributed.expert_shards(gm)
+    out = {}
+    for name, q in gm.named_parameters():
+        if q.grad is None:
+            continue
+        g = q.grad
+        if name in shards and world.ep > 1:
+            parts = [torch.empty_like(g) for _ in range(world.ep)]
+            dist.all_gather(parts, g.contiguous(), group=world.ep_group)
+            g = torch.cat(parts)
+        out[name] = g
+    return out
+
+
+def ep_errors(rank, model, p: mc.Plan, xs, targets, setup=None) -> dict:
+    """Run ``p`` on this rank's shard and return the relative errors against the ep=1 reference."""
+    ref_out, ref_loss, ref_grads = reference(model, p, xs, targets, setup)
+    result = mc.convert(model, p, (xs[rank],))
+    world = result.context.world
+    perturb(result.module)
+    if setup:
+        setup(result.module)
+    y = result.module(xs[rank])
+    loss = loss_of(result, y, targets[rank])
+    loss.backward()
+    mc.distributed.reduce_gradients(result.module, world)
+    grads = gathered_grads(result.module, world)
+    assert set(grads) == set(ref_grads), set(grads) ^ set(ref_grads)
+    worst = max(grads, key=lambda n: rel(grads[n], ref_grads[n]))
+    return {
+        "out": rel(y.detach(), ref_out[rank]),
+        "loss": abs(float(loss) - ref_loss[rank]) / abs(ref_loss[rank]),
+        "grad": rel(grads[worst], ref_grads[worst]),
+        "worst_grad": worst,
+        "result": result,
+    }
+
+
+def assert_close(errs: dict, what: str) -> None:
+    for key in ("out", "loss", "grad"):
+        assert errs[key] <= TOL, f"{what}: {key} differs by {errs[key]:.2e} relative (worst grad {errs['worst_grad']})"
+
+
+def graph_facts(result) -> dict:
+    gm, world = result.module, result.context.world
+    nodes = list(gm.graph.nodes)
+    starts = [n for n in nodes if n.meta.get("moe", {}).get("role") == mc.Role.COLLECTIVE_START]
+    waits = [n for n in nodes if n.meta.get("moe", {}).get("role") == mc.Role.COLLECTIVE_WAIT]
+    assert all(n.meta["moe"]["group"] == world.ep_group_name for n in starts + waits)
+    assert all(n.target in mc.distributed.COLLECTIVE_STARTS for n in starts)
+    return {
+        "starts": len(starts),
+        "waits": len(waits),
+        "host_syncs": sum(n.target is torch.ops.aten._local_scalar_dense.default for n in nodes),
+    }
+
+
+# ---------------------------------------------------------------- scenarios (run inside each rank)
+
+
+def scenario_two_ranks(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = Stack()
+    xs, targets = global_batch(world_size)
+    report = {}
+    for dispatcher in ("alltoall", "allgather"):
+        errs = ep_errors(rank, model, plan(2, dispatcher), xs, targets)
+        assert_close(errs, f"{dispatcher} dropless")
+        facts = graph_facts(errs["result"])
+        # per layer: alltoall = counts + dispatch + combine, one host sync for the splits (2P ints)
+        # allgather = x, idx, w gathers + one reduce-scatter, one host sync for the local row count
+        assert facts["starts"] == facts["waits"] == 2 * (3 if dispatcher == "alltoall" else 4), facts
+        assert facts["host_syncs"] == 2 * (4 if dispatcher == "alltoall" else 1), facts
+        gm = errs["result"].module
+        lo, hi = rank * E // 2, (rank + 1) * E // 2
+        assert gm.get_parameter("layers.0.experts.w_gate_up").shape[0] == E // 2
+        assert gm.get_parameter("layers.1.experts.b_up").shape[0] == E // 2
+        shards = mc.distributed.expert_shards(gm)
+        assert {(s.lo, s.hi, s.num_experts) for s in shards.values()} == {(lo, hi, E)}
+        assert len(shards) == 2 + 4  # GLU: w_gate_up, w_down; MLP: w_up, w_down, b_up, b_down
+        infos = [n.meta["moe"]["moe"] for n in gm.graph.nodes if "moe" in n.meta.get("moe", {})]
+        assert [i["expert_range"] for i in infos] == [(lo, hi)] * 2
+        report[f"{dispatcher}/dropless"] = {k: errs[k] for k in ("out", "loss", "grad")}
+
+    # static: capacity per source rank, C = ceil(cf * T_local * k / E); ep=1 static on each shard is the oracle
+    ref_dropless, _, _ = reference(model, plan(2), xs, targets)
+    for dispatcher in ("alltoall", "allgather"):
+        p = plan(2, dispatcher, "static", cf=0.5)
+        errs = ep_errors(rank, model, p, xs, targets)
+        assert_close(errs, f"{dispatcher} static")
+        facts = graph_facts(errs["result"])
+        assert facts["host_syncs"] == 0, "static dispatch must not sync the host"
+        assert facts["starts"] == 2 * (1 + 1 if dispatcher == "alltoall" else 4), facts
+        # which tokens dropped: exactly those whose output moved away from the dropless result
+        ref_static, _, _ = reference(model, p, xs, targets)
+        moved_ref = (ref_static[rank] - ref_dropless[rank]).abs().amax(-1) > 1e-6
+        y = errs["result"].module(xs[rank]).detach()
+        moved_ep = (y - ref_dropless[rank]).abs().amax(-1) > 1e-6
+        assert moved_ref.any(), "cf=0.5 should drop some tokens"
+        assert torch.equal(moved_ep, moved_ref)
+        report[f"{dispatcher}/static"] = {k: errs[k] for k in ("out", "loss", "grad")}
+        report[f"{dispatcher}/static_dropped_tokens"] = int(moved_ep.sum())
+
+    # zero tokens: layer 0 sends everything to rank 0's experts 0, 1; layer 1 to rank 1's experts 6, 7
+    for dispatcher, mode, cf in (("alltoall", "dropless", None), ("allgather", "static", 1.0)):
+        p = plan(2, dispatcher, mode, cf=cf, expert_bias=True)
+        errs = ep_errors(rank, model, p, xs, targets, setup=idle_experts_and_ranks)
+        assert_close(errs, f"{dispatcher} {mode} with idle experts and ranks")
+        load = errs["result"].expert_load()
+        assert load["layers.0"][2:].sum() == 0 and load["layers.1"][:6].sum() == 0
+        report[f"{dispatcher}/{mode}/zero_tokens"] = {k: errs[k] for k in ("out", "loss", "grad")}
+    return report
+
+
+FOUR_RANK_CASES = [(4, "alltoall", "dropless", None), (2, "alltoall", "dropless", None)]
+FOUR_RANK_SLOW_CASES = [(4, "allgather", "dropless", None), (4, "alltoall", "static", 0.75),
+                        (4, "allgather", "static", 0.75), (2, "allgather", "static", 0.75)]
+FAULT_TIMEOUT_S = 3.0
+
+
+def scenario_four_ranks(rank: int, world_size: int, cases: list, faults: bool) -> dict:
+    torch.manual_seed(0)
+    model = Stack()
+    xs, targets = global_batch(world_size, (1, 5))
+    report: dict = {}
+    for ep, dispatcher, mode, cf in cases:
+        errs = ep_errors(rank, model, plan(ep, dispatcher, mode, cf=cf), xs, targets)
+        assert_close(errs, f"ep={ep} {dispatcher} {mode}")
+        report[f"ep{ep}/{dispatcher}/{mode}"] = {k: errs[k] for k in ("out", "loss", "grad")}
+        world = errs["result"].context.world
+        if ep == 2:  # parallel folding on 4 ranks: ep {0,1} {2,3}, edp {0,2} {1,3}
+            assert world.ep_ranks == ((0, 1) if rank < 2 else (2, 3))
+            assert world.edp_ranks == ((0, 2) if rank % 2 == 0 else (1, 3))
+            assert (world.ep_rank, world.edp_rank, world.edp) == (rank % 2, rank // 2, 2)
+    if faults:
+        report["fault"] = fault(rank, model, xs)
+    return report
+
+
+def fault(rank: int, model: nn.Module, xs: list) -> dict:
+    """Last, since it breaks the world. In ep groups {0,1} and {2,3}: rank 1 dies and rank 3 is stuck
+    (raised, never reaches the collective); ranks 0 and 2 must get a named DistributedError within
+    the plan's timeout instead of hanging."""
+    p = mc.Plan.from_dict({"experts": experts(), "parallel": {"ep": 2, "timeout_s": FAULT_TIMEOUT_S}})
+    result = mc.convert(model, p, (xs[rank],))
+    if rank == 1:
+        os._exit(3)
+    if rank == 3:
+        time.sleep(FAULT_TIMEOUT_S + 5)
+        return {}
+    start = time.monotonic()
+    try:
+        result.module(xs[rank])
+    except mc.DistributedError as e:
+        return {"error": str(e), "seconds": time.monotonic() - start, "group": e.group}
+    raise AssertionError(f"rank {rank} finished its forward although its ep peer never joined")
+
+
+# ---------------------------------------------------------------- tests
+
+
+@pytest.mark.distributed
+def test_two_ranks_match_single_process_for_both_dispatchers_and_modes():
+    reports = spawn(scenario_two_ranks, 2, timeout=150)
+    assert all(r["allgather/static_dropped_tokens"] > 0 for r in reports)
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list:
+    """One 4-rank spawn (process start-up dominates the cost): the fast cases, then fault injection."""
+    return spawn(scenario_four_ranks, 4, args=(FOUR_RANK_CASES, True), timeout=150, may_exit=(1,))
+
+
+@pytest.mark.distributed
+def test_four_ranks_ep4_and_folded_ep2_match_single_process(four_ranks):
+    for rank in (0, 2, 3):  # rank 1 died in the fault injection after passing the same checks
+        for ep, dispatcher, mode, _cf in FOUR_RANK_CASES:
+            assert max(four_ranks[rank][f"ep{ep}/{dispatcher}/{mode}"].values()) <= TOL
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("rank, peer", [(0, "died"), (2, "stuck")])
+def test_a_failed_rank_gives_a_named_bounded_error(four_ranks, rank, peer):
+    got = four_ranks[rank]["fault"]
+    ranks = [0, 1] if rank == 0 else [2, 3]
+    assert "layers.0: dispatch counts" in got["error"] and f"ranks {ranks}" in got["error"], got
+    assert "process group 'ep" in got["error"] and f"failed on rank {rank}" in got["error"], got
+    assert got["seconds"] < FAULT_TIMEOUT_S + 5, got  # bounded by parallel.timeout_s, never a hang
+    if peer == "stuck":
+        assert got["seconds"] >= FAULT_TIMEOUT_S - 0.5, "a live but absent peer is waited for up to timeout_s"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_four_ranks_remaining_dispatcher_mode_pairs():
+    spawn(scenario_four_ranks, 4, args=(FOUR_RANK_SLOW_CASES, False), timeout=300)
+
+
+def test_world_the_plan_cannot_use_fails_before_any_collective(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with pytest.raises(mc.PlanError, match=r"parallel\.ep.* = 2: must divide the world size 1"):
+            mc.convert(Stack(), plan(2), (torch.randn(2, 3, H),))
+        result = mc.convert(Stack(), plan(1), (torch.randn(2, 3, H),))  # ep=1 over a 1-rank world is fine
+        assert result.context.world.world_size == 1 and result.context.world.ep == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_experts_that_do_not_divide_fail_at_plan_time():
+    with pytest.raises(mc.PlanError, match=r"parallel\.ep.* = 3.*num_experts=8"):
+        plan(3)
+
+
+def test_ep_without_a_world_says_how_to_get_one():
+    with pytest.raises(mc.DistributedError, match="torchrun"):
+        mc.convert(Stack(), plan(2), (torch.randn(2, 3, H),))
+
+
+def test_static_plans_need_one_capacity():
+    with pytest.raises(mc.PlanError, match="needs a capacity"):
+        plan(2, mode="static")
+    with pytest.raises(mc.PlanError, match="differs from experts.capacity_factor"):
+        plan(2, mode="static", cf=1.0, capacity_factor=2.0)
+    with pytest.raises(mc.PlanError, match="set parallel.dispatch_mode: static"):
+        plan(2, capacity_factor=1.0)
+    assert plan(1, capacity_factor=1.0).parallel.ep == 1  # single-process capacity dropping still works
+
+
+def test_static_at_ep1_sets_the_permute_capacity_and_records_shards():
+    result = mc.convert(Stack(), plan(1, mode="static", cf=1.0), (torch.randn(2, 3, H),))
+    permutes = [n for n in result.module.graph.nodes if n.target is torch.ops.moecompile.permute.default]
+    assert [n.args[4] for n in permutes] == [2, 2]  # ceil(1.0 * 6 tokens * k=2 / E=8)
+    shards = mc.distributed.expert_shards(result.module)
+    assert {(s.lo, s.hi) for s in shards.values()} == {(0, E)}
+    assert "ep=1" in " ".join(result.record("expert_parallel").decisions)
+
+
+def test_verifier_rejects_a_collective_read_before_its_wait():
+    import torch.fx as fx
+    from moecompile.passes.expert_parallel import verify_collectives
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    start = g.call_function(mc.distributed.ALL_TO_ALL, (x, [1], [1], "0"))
+    start.meta["moe"] = {"group": "0"}
+    early = g.call_function(torch.ops.aten.add.Tensor, (start, 1))
+    wait = g.call_function(torch.ops.moecompile.wait_tensor.default, (start, "t", "0"))
+    g.output((early, wait))
+    with pytest.raises(AssertionError, match="read before its wait"):
+        verify_collectives(fx.GraphModule(nn.Module(), g), None)
+    g.erase_node(g.output_node())
+    g.output((wait,))
+    g.erase_node(early)
+    verify_collectives(fx.GraphModule(nn.Module(), g), None)
+    with g.inserting_before(g.output_node()):
+        dangling = g.call_function(mc.distributed.ALL_TO_ALL, (x, [1], [1], "0"))
+    dangling.meta["moe"] = {"group": "0"}
+    with pytest.raises(AssertionError, match="0 waits"):
+        verify_collectives(fx.GraphModule(nn.Module(), g), None)
