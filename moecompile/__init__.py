@@ -14,6 +14,7 @@ from .meta import Role
 from .pass_manager import Options, PassContext, register_pass, register_verifier, registered_passes
 from .plan import Plan
 from .frontend import trace
+from .memory import MemoryEstimate, estimate_memory, measure_memory
 
 # driver: built on the passes
 from .convert import ConversionResult, convert
@@ -27,4 +28,5 @@ __all__ = [
     "registered_passes", "trace", "visualize",
 ]
 __all__ += ["StepMetrics", "TrainStep", "build_train_step"]
+__all__ += ["MemoryEstimate", "estimate_memory", "measure_memory"]
 __version__ = "0.1.0"
