@@ -14,6 +14,8 @@ from .meta import Role
 from .pass_manager import Options, PassContext, register_pass, register_verifier, registered_passes
 from .plan import Plan
 from .frontend import trace
+from . import distributed  # World, init, world_from_plan, expert_shards, reduce_gradients
+from .distributed import ExpertShard, World
 from .memory import MemoryEstimate, estimate_memory, measure_memory
 
 # driver: built on the passes
@@ -29,4 +31,5 @@ __all__ = [
 ]
 __all__ += ["StepMetrics", "TrainStep", "build_train_step"]
 __all__ += ["MemoryEstimate", "estimate_memory", "measure_memory"]
+__all__ += ["ExpertShard", "World", "distributed"]
 __version__ = "0.1.0"
