@@ -3,7 +3,12 @@
     logits_TE ─route─▶ weights_TK, idx_TK
     x_TH ─permute─▶ x_NH ─grouped_mm─▶ glu ─grouped_mm─▶ y_NH ─unpermute─▶ out_TH
 
-Also `moecompile::grouped_mm_wgrad`, the weight gradient grouped_mm's backward calls.
+Also `moecompile::grouped_mm_wgrad`, the weight gradient grouped_mm's backward calls,
+and the other backward passes as ops of their own (route_backward,
+permute_backward, unpermute_backward, glu_backward), so a traced backward
+holds one node per kernel. Options: `permute(..., align=a)` pads each expert's
+group to a multiple of a rows; `glu(h, act, weight_N)` multiplies each row's
+routing weight in (then combine with unpermute(..., ones)).
 
 FP8 (forward-only building blocks for the FP8 pass; recipes and scale layouts
 in kernels/fp8_quantize.py and kernels/grouped_mm_fp8.py):
@@ -21,7 +26,7 @@ torch: the CPU path and the test oracle) and a Triton body in
 runs (CUDA -> Triton, CPU -> reference, `MOECOMPILE_KERNELS=triton|reference`
 or `backend.use(...)` forces one), so call sites never branch on what is installed.
 """
-from . import backend
+from . import async_a2a, backend  # noqa: F401  (async_a2a: moecompile::a2a_start / a2a_wait)
 from .ep_ops import sort_chunks, sort_chunks_ref
 from .fp8_quantize import dequantize_fp8, quantize_fp8, quantize_fp8_ref
 from .glu import glu, glu_ref

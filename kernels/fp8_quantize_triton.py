@@ -15,7 +15,7 @@ import triton.language as tl
 import torch
 from torch import Tensor
 
-from .fp8_quantize import AMAX_EPS, FORMATS, _check, empty_scale, fp8_max, scale_shape
+from .fp8_quantize import AMAX_EPS, FORMATS, _check, empty_scale, fp8_max
 
 INTERPRET = triton.knobs.runtime.interpret
 # mantissa bits and smallest normal exponent of each float8 format
@@ -136,8 +136,8 @@ def quantize_fp8_triton(x: Tensor, recipe: str, fmt: str, block: int) -> tuple[T
     x3 = x3 if x3.stride(-1) == 1 else x3.contiguous()
     Bt = x3.shape[0]
     q = x3.new_empty(x3.shape, dtype=FORMATS[fmt])
-    s3 = empty_scale(x3, recipe, block)  # batched; viewed back to x's leading dims at the end
-    scale = s3.view(scale_shape(tuple(x.shape), recipe, block))
+    scale = empty_scale(x, recipe, block)  # the reference's layout, strides included
+    s3 = scale.view(Bt) if recipe == "tensorwise" else scale.view(Bt, *scale.shape[-2:])
     fmax = fp8_max(fmt)
     if x.numel() == 0:
         return q.view(x.shape), scale.fill_(AMAX_EPS / fmax)

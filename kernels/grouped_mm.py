@@ -65,12 +65,14 @@ def _align(dtype: torch.dtype) -> int:
 def _grouped_nt(a_NA: Tensor, b_EBA: Tensor, group_sizes_E: Tensor) -> Tensor:
     """out_NB[rows of e] = a_NA[rows of e] @ b_EBA[e].T"""
     N = a_NA.shape[0]
+    if N == 0:  # an empty tensor's strides can be anything; torch._grouped_mm rejects some
+        return a_NA.new_empty((0, b_EBA.shape[1]))
     if a_NA.dtype in _GROUPED_MM_DTYPES:
         m = _align(a_NA.dtype)
         offs_E = torch.cumsum(group_sizes_E, 0, dtype=torch.int32)
-        a_NA, b_EBA = _pad_to(a_NA, 1, m), _pad_to(b_EBA, 2, m)
-        # an unaligned B comes back with padded row stride; hand out a dense tensor
-        return torch._grouped_mm(a_NA, b_EBA.transpose(-2, -1), offs_E).contiguous()
+        B = b_EBA.shape[1]  # out features padded too: a 1-wide output row is not 16-byte aligned
+        a_NA, b_EBA = _pad_to(a_NA, 1, m), _pad_to(_pad_to(b_EBA, 2, m), 1, m)
+        return torch._grouped_mm(a_NA, b_EBA.transpose(-2, -1), offs_E)[:, :B].contiguous()
     return torch.einsum("na,nba->nb", a_NA, b_EBA[_expert_of_row(group_sizes_E, N)])
 
 

@@ -2,11 +2,12 @@
 
 Legend: N rows (sorted by expert), E experts, I in, O out; BM x BN output tiles.
 
-    forward / dgrad / fp8:  grid (cdiv(N, BM) + E, cdiv(O, BN)); program m finds its expert
-        from the per-expert tile counts cdiv(size_e, BM) (a cumsum over E in registers),
-        so tiles never straddle two experts and no host sync reads group_sizes_E.
+    forward / dgrad / fp8:  (cdiv(N, BM) + E) x cdiv(O, BN) programs, GROUP_M m tiles at a time
+        sweeping the n tiles (L2 reuse); m tile p finds its expert from the per-expert tile
+        counts cdiv(size_e, BM) (a cumsum over E in registers), so tiles never straddle two
+        experts and no host sync reads group_sizes_E.
         y[rows, cols] = x[rows, :] @ w[e, cols, :].T (+ bias[e, cols])
-    wgrad: grid (E, cdiv(O, BM), cdiv(I, BN)); program (e, o, i) loops over e's rows.
+    wgrad: grid (cdiv(I, BN), cdiv(O, BM), E); program (i, o, e) loops over e's rows.
         dw[e] = dy[rows of e].T @ x[rows of e]   (zero for an empty expert)
 
 Weights are read through strides, so dgrad's w.transpose(1, 2) is never copied.
@@ -30,9 +31,21 @@ _RECIPE_ID = {"tensorwise": 0, "rowwise": 1, "blockwise": 2}
 
 
 @triton.jit
-def _tile_of(sizes_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(expert, first row of this program's tile, end row of that expert); expert == E: no tile."""
-    pid_m = tl.program_id(0)
+def _tile_ids(N, O, E, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(m tile, n tile) of this program: GROUP_M m tiles sweep all n tiles together, so their
+    x rows and their experts' weight tiles are reused from L2 instead of re-read from memory."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(N, BLOCK_M) + E
+    num_n = tl.cdiv(O, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % group, (pid % per_group) // group
+
+
+@triton.jit
+def _tile_of(pid_m, sizes_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(expert, first row of m tile pid_m, end row of that expert); expert == E: no tile."""
     es = tl.arange(0, BLOCK_E)
     sizes = tl.load(sizes_ptr + es, mask=es < E, other=0).to(tl.int32)
     tiles = (sizes + BLOCK_M - 1) // BLOCK_M
@@ -53,11 +66,13 @@ def _grouped_mm_kernel(
     stride_xn, stride_xi, stride_we, stride_wo, stride_wi, stride_be, stride_yn,
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    e, m0, row_end = _tile_of(sizes_ptr, E, BLOCK_M, BLOCK_E)
+    pid_m, pid_n = _tile_ids(N, O, E, BLOCK_M, BLOCK_N, GROUP_M)
+    e, m0, row_end = _tile_of(pid_m, sizes_ptr, E, BLOCK_M, BLOCK_E)
     if e < E:
         rows = m0 + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         row_ok, col_ok = rows < row_end, cols < O
         x_tile = x_ptr + rows.to(tl.int64)[:, None] * stride_xn + ks[None, :] * stride_xi
@@ -85,14 +100,15 @@ def _grouped_wgrad_kernel(
     stride_gn, stride_go, stride_xn, stride_xi, stride_de, stride_do,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,  # unused here: the wgrad shares the forward's autotune configs
 ):
-    e = tl.program_id(0)
+    e = tl.program_id(2)  # expert slowest: its rows of dy and x stay in L2 across the (o, i) tiles
     es = tl.arange(0, BLOCK_E)
     sizes = tl.load(sizes_ptr + es, mask=es < E, other=0)
     row_start = tl.sum(tl.where(es < e, sizes, 0), axis=0)
     row_end = row_start + tl.sum(tl.where(es == e, sizes, 0), axis=0)
     os_ = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    is_ = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    is_ = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ns = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for n0 in range(row_start, row_end, BLOCK_K):
@@ -116,13 +132,15 @@ def _grouped_mm_fp8_kernel(
     stride_xn, stride_xi, stride_xsn, stride_xsk,
     stride_we, stride_wo, stride_wi, stride_wse, stride_wso, stride_wsk,
     stride_be, stride_yn,
-    RECIPE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    RECIPE: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    e, m0, row_end = _tile_of(sizes_ptr, E, BLOCK_M, BLOCK_E)
+    pid_m, pid_n = _tile_ids(N, O, E, BLOCK_M, BLOCK_N, GROUP_M)
+    e, m0, row_end = _tile_of(pid_m, sizes_ptr, E, BLOCK_M, BLOCK_E)
     if e < E:
         rows = m0 + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)
         row_ok, col_ok = rows < row_end, cols < O
         rows64 = rows.to(tl.int64)
@@ -133,6 +151,8 @@ def _grouped_mm_fp8_kernel(
             k_ok = (k0 + ks) < I
             a = tl.load(x_tile, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_tile, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if UPCAST:  # an fp8 dot needs K >= 32 on a GPU; fp8 -> bf16 is exact
+                a, b = a.to(tl.bfloat16), b.to(tl.bfloat16)
             if RECIPE == 2:  # blockwise: scale this K block's partial product
                 kb = k0 // SCALE_BLOCK
                 sx = tl.load(xs_ptr + rows64 * stride_xsn + kb * stride_xsk, mask=row_ok, other=0.0)
@@ -158,7 +178,7 @@ def _grouped_mm_fp8_kernel(
 def _configs() -> list:
     """Autotune candidates for the grouped GEMMs on a GPU (Hopper-sized tiles first)."""
     return [
-        triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk), num_warps=w, num_stages=s)
+        triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8), num_warps=w, num_stages=s)
         for bm, bn, bk, w, s in [
             (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
             (128, 64, 64, 4, 4), (64, 64, 64, 4, 3), (64, 64, 32, 4, 2),
@@ -166,7 +186,7 @@ def _configs() -> list:
     ]
 
 
-_INTERPRET_CFG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64)  # few programs: each costs ~5 ms interpreted
+_INTERPRET_CFG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=2)  # few programs: each costs ~5 ms interpreted
 
 
 def _autotuned(kernel, key):
@@ -197,7 +217,7 @@ def grouped_mm_triton(x_NI: Tensor, w_EOI: Tensor, group_sizes_E: Tensor, bias_E
     if N == 0 or O == 0:
         return y_NO
     bias = x_NI if bias_EO is None else bias_EO
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_M"]) + E, triton.cdiv(O, meta["BLOCK_N"]))  # noqa: E731
+    grid = lambda meta: ((triton.cdiv(N, meta["BLOCK_M"]) + E) * triton.cdiv(O, meta["BLOCK_N"]),)  # noqa: E731
     _grouped_mm[grid](
         x_NI, w_EOI, bias, y_NO, group_sizes_E.contiguous(), N, O, I, E,
         x_NI.stride(0), x_NI.stride(1), *w_EOI.stride(), bias.stride(0), y_NO.stride(0),
@@ -211,7 +231,7 @@ def grouped_mm_wgrad_triton(grad_y_NO: Tensor, x_NI: Tensor, group_sizes_E: Tens
     dw_EOI = grad_y_NO.new_empty((E, O, I))
     if O == 0 or I == 0:
         return dw_EOI
-    grid = lambda meta: (E, triton.cdiv(O, meta["BLOCK_M"]), triton.cdiv(I, meta["BLOCK_N"]))  # noqa: E731
+    grid = lambda meta: (triton.cdiv(I, meta["BLOCK_N"]), triton.cdiv(O, meta["BLOCK_M"]), E)  # noqa: E731
     _grouped_wgrad[grid](
         grad_y_NO, x_NI, dw_EOI, group_sizes_E.contiguous(), O, I, E,
         *grad_y_NO.stride(), *x_NI.stride(), dw_EOI.stride(0), dw_EOI.stride(1),
@@ -225,7 +245,7 @@ def _fp8_config(recipe: str, block: int) -> dict:
         cfg = dict(_INTERPRET_CFG)
         return {**cfg, "BLOCK_K": min(cfg["BLOCK_K"], block)} if recipe == "blockwise" else cfg
     bk = min(128, block) if recipe == "blockwise" else 128
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=bk, GROUP_M=8, num_warps=8, num_stages=3)
 
 
 def grouped_mm_fp8_triton(
@@ -243,10 +263,11 @@ def grouped_mm_fp8_triton(
     ws = w_scale.reshape(E, 1, 1) if w_scale.dim() == 1 else w_scale
     bias = y_NO if bias_EO is None else bias_EO
     cfg = _fp8_config(recipe, block)
-    grid = (triton.cdiv(N, cfg["BLOCK_M"]) + E, triton.cdiv(O, cfg["BLOCK_N"]))
+    grid = ((triton.cdiv(N, cfg["BLOCK_M"]) + E) * triton.cdiv(O, cfg["BLOCK_N"]),)
     _grouped_mm_fp8_kernel[grid](
         x_q, xs, w_q, ws, bias, y_NO, group_sizes_E.contiguous(), N, O, I, E, max(block, 1),
         x_q.stride(0), x_q.stride(1), xs.stride(0), xs.stride(1),
         *w_q.stride(), *ws.stride(), bias.stride(0), y_NO.stride(0),
-        RECIPE=_RECIPE_ID[recipe], HAS_BIAS=bias_EO is not None, BLOCK_E=triton.next_power_of_2(E), **cfg)
+        RECIPE=_RECIPE_ID[recipe], HAS_BIAS=bias_EO is not None, UPCAST=not INTERPRET and cfg["BLOCK_K"] < 32,
+        BLOCK_E=triton.next_power_of_2(E), **cfg)
     return y_NO
