@@ -86,10 +86,11 @@ class CaptureReport:
         return not self.findings
 
     def __str__(self) -> str:
-        scope = f"{self.region} region" + (" (forward + backward)" if self.backward_checked else " (forward)")
+        scope = {"all": "whole step", "static": "static regions"}[self.region]
+        scope += " (forward + backward)" if self.backward_checked else " (forward)"
         if self.safe:
-            return f"capture-safe: the {scope} has no host sync and no data-dependent shape"
-        return f"not capture-safe: the {scope} has {len(self.findings)} problem(s):\n  " + "\n  ".join(map(str, self.findings))
+            return f"capture-safe ({scope}): nothing is read on the host and no shape depends on data"
+        return f"not capture-safe ({scope}), {len(self.findings)} problem(s):\n  " + "\n  ".join(map(str, self.findings))
 
     def raise_if_unsafe(self, what: str = "CUDA-graph capture") -> None:
         if not self.safe:
@@ -250,6 +251,8 @@ def split_static_regions(gm: fx.GraphModule, dynamic: Callable[[fx.Node], bool] 
     split.graph._codegen = copy.deepcopy(gm.graph._codegen)
     split.meta.update(gm.meta)
     for name, sub in list(split.named_children()):
+        if not name.startswith("submod_"):
+            continue
         i = int(name.split("_")[-1])
         split.add_module(f"{kinds[i]}_{i}", sub)
         delattr(split, name)
@@ -257,6 +260,7 @@ def split_static_regions(gm: fx.GraphModule, dynamic: Callable[[fx.Node], bool] 
             if node.op == "call_module" and node.target == name:
                 node.target = f"{kinds[i]}_{i}"
     split.recompile()
+    split.delete_all_unused_submodules()  # the root's own modules: every parameter now lives in a region
     return split
 
 

@@ -3,7 +3,7 @@
 ep = 2 on 2 gloo ranks: train STEPS steps on each rank's shard of the global batch, save a
 checkpoint, take one more step, export to Hugging Face (experts gathered), scan capture
 safety of the dropless graph, then a static-capacity run with the expert bias on.
-``ep4_from_checkpoint`` loads that checkpoint on 4 ranks at ep = 4 and at ep = 2 (edp = 2).
+``four_ranks_from_checkpoint`` loads that checkpoint on 4 ranks at ep = 4 or at ep = 2 (edp = 2).
 """
 
 from __future__ import annotations
@@ -75,10 +75,10 @@ def ep2_results() -> tuple[Path, list[dict]]:
     return out, run(ep2_worker, 2, (str(out),), timeout=300)
 
 
-def ep4_worker(rank: int, world_size: int, ckpt: str) -> dict:
+def ep4_worker(rank: int, world_size: int, ckpt: str, eps: tuple[int, ...]) -> dict:
     stream = data()
     out = {}
-    for ep in (4, 2):  # ep = 2 on 4 ranks: edp groups of 2 reduce the expert grads
+    for ep in eps:  # ep = 2 on 4 ranks: edp groups of 2 reduce the expert grads
         _, result, step = make_step({"experts": EXPERTS, "parallel": {"ep": ep}}, GLOBAL_BATCH // world_size)
         step.load(ckpt)
         out[ep] = {"step_count": step.step_count, **_metrics(step(stream.shard(STEPS, rank, world_size))),
@@ -86,5 +86,6 @@ def ep4_worker(rank: int, world_size: int, ckpt: str) -> dict:
     return out
 
 
-def ep4_from_checkpoint(ckpt: Path) -> list[dict]:
-    return run(ep4_worker, 4, (str(ckpt),), timeout=400)
+def four_ranks_from_checkpoint(ckpt: Path, eps: tuple[int, ...]) -> list[dict]:
+    """Load ``ckpt`` on 4 ranks at each ep in ``eps`` and take one step."""
+    return run(ep4_worker, 4, (str(ckpt), tuple(eps)), timeout=400)

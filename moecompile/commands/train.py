@@ -1,0 +1,306 @@
+"""``moecompile train``: the main job. Upcycle a dense model and train it, expert-parallel, on real text.
+
+    moecompile train                                  # small Llama -> 8 experts top-2, ep=2 on 2 local ranks
+    moecompile train --steps 300 --nproc 4            # ep=4 (the plan's ep defaults to --nproc)
+    moecompile train --model tiny-qwen3 --plan plan.yaml --set experts.top_k=1
+    torchrun --nproc-per-node 2 -m moecompile train   # the same under torchrun
+
+A byte-level language model over the Python standard library's own source (offline, on
+every machine). Rank 0 shows a progress bar, a loss / expert-load line every --log-every
+steps, and a summary; a checkpoint is written at the end (--resume continues from it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HELP = "Upcycle a dense model into an MoE and train it (ep over local gloo ranks or torchrun) on byte-level text."
+
+DEFAULT_MODEL = "tiny-llama"
+DEFAULT_MODEL_CONFIG = {"hidden_size": 128, "intermediate_size": 256}  # only when --model is not given
+DEFAULT_PLAN = {"experts": {"num_experts": 8, "top_k": 2, "aux_loss": "aux", "aux_loss_coeff": 1e-2,
+                            "router_noise": 0.01}}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = __doc__.split("\n\n", 1)[1]
+    p.add_argument("--model", default=None, metavar="NAME|CONFIG",
+                   help=f"zoo model or Hugging Face config.json (default: {DEFAULT_MODEL} with hidden 128, FFN 256)")
+    p.add_argument("--config", dest="configs", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a field of the model's config (repeatable), e.g. num_hidden_layers=4")
+    p.add_argument("--plan", default=None, metavar="PLAN.yaml",
+                   help="the plan (default: 8 experts top-2, aux loss 0.01, router noise 0.01; ep = --nproc)")
+    p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="change one plan field (repeatable), e.g. parallel.dispatcher=allgather")
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn over gloo (default 2; ignored "
+                   "under torchrun, which sets the world)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps in total (default 300)")
+    p.add_argument("--batch", type=int, default=8, help="global batch, split over the ranks (default 8)")
+    p.add_argument("--seq", type=int, default=64, help="bytes per sequence (default 64)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (0: off; default 1)")
+    p.add_argument("--log-every", type=int, default=25, help="print loss and expert load every N steps (default 25)")
+    p.add_argument("--out", default="out/train", metavar="DIR", help="checkpoint and plan go here (default out/train)")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out if there is one")
+    p.add_argument("--export-hf", default=None, metavar="DIR", help="also write a Hugging Face model (mixtral or "
+                   "qwen3_moe, from the source architecture) at the end")
+    p.add_argument("--data", default=None, metavar="DIR", help="directory of *.py text (default: the Python stdlib)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import MoecompileError
+
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    try:
+        if under_torchrun or args.nproc == 1:
+            train(args, rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+            return 0
+        return _spawn(args)
+    except MoecompileError as e:
+        print(f"moecompile train: {e}", file=sys.stderr)
+        return 2
+
+
+def _spawn(args: argparse.Namespace) -> int:
+    import torch.multiprocessing as mp
+
+    import socket
+
+    with socket.socket() as sock:  # a free port for the local rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    try:
+        mp.start_processes(_worker, args=(args, args.nproc), nprocs=args.nproc, start_method="spawn")
+    except mp.ProcessRaisedException as e:
+        print(f"moecompile train: a rank failed:\n{e}", file=sys.stderr)
+        return 1
+    except mp.ProcessExitedException as e:
+        print(f"moecompile train: a rank died: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _worker(rank: int, args: argparse.Namespace, world_size: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    from ..errors import MoecompileError
+
+    try:
+        train(args, rank, world_size)
+    except MoecompileError as e:  # a clean message, not a traceback through multiprocessing
+        print(f"moecompile train (rank {rank}): {e}", file=sys.stderr)
+        raise SystemExit(2) from e
+
+
+@dataclasses.dataclass
+class _Setup:
+    plan: Any
+    dense: Any
+    result: Any
+    step: Any
+    world: Any
+
+
+def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
+    import torch
+
+    from .. import convert
+    from .. import distributed
+    from ..errors import MoecompileError
+    from ..models import build_model, load_config
+    from ..train_step import build_train_step
+    from .inspect import _key_value, load_plan
+
+    from ..plan import Plan
+
+    plan = load_plan(args.plan, []) if args.plan else Plan.from_dict(DEFAULT_PLAN)
+    if world_size > 1 and not _plan_sets_ep(args):  # one expert shard per rank unless told otherwise
+        plan = _apply_sets(plan, [f"parallel.ep={world_size}"])
+    if args.sets:
+        plan = _apply_sets(plan, args.sets)
+    if args.batch % world_size:
+        raise MoecompileError(f"--batch {args.batch} must be a multiple of the {world_size} ranks")
+    threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
+    torch.set_num_threads(threads)
+    torch.manual_seed(args.seed)
+    world = None
+    if world_size > 1:
+        world = distributed.init(plan)
+    overrides = dict(_key_value(c, "--config") for c in args.configs)
+    model = args.model or DEFAULT_MODEL
+    if args.model is None:
+        overrides = {**DEFAULT_MODEL_CONFIG, **overrides}
+    if load_config(model).vocab_size < 256:
+        overrides.setdefault("vocab_size", 256)  # byte-level data
+    overrides.setdefault("max_position_embeddings", max(args.seq, 128))
+    dense, (ids,) = build_model(model, batch_size=args.batch // world_size, seq_len=args.seq, seed=args.seed,
+                                **overrides)
+    result = convert(dense, plan, (ids,), world=world)
+    clip = args.clip if args.clip > 0 else None
+    step = build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01),
+                            clip_grad_norm=clip, world=world)
+    return _Setup(plan, dense, result, step, world)
+
+
+def _plan_sets_ep(args: argparse.Namespace) -> bool:
+    if any(item.replace(" ", "").startswith("parallel.ep=") for item in args.sets):
+        return True
+    if not args.plan:
+        return False
+    import json
+
+    import yaml
+
+    text = Path(args.plan).read_text()
+    raw = json.loads(text) if args.plan.endswith(".json") else yaml.safe_load(text)
+    return isinstance(raw, dict) and "ep" in (raw.get("parallel") or {})
+
+
+def _apply_sets(plan: Any, sets: list[str]) -> Any:
+    from ..errors import PlanError
+    from ..plan import Plan
+    from .inspect import _key_value
+
+    data = plan.to_dict()
+    for item in sets:
+        key, value = _key_value(item, "--set")
+        section, dot, field = key.partition(".")
+        if not dot or section not in data:
+            raise PlanError(key, value, f"--set takes SECTION.FIELD=VALUE; sections: {', '.join(data)}")
+        data[section][field] = value
+    return Plan.from_dict(data)
+
+
+def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
+    """Set up, train, checkpoint and summarise on this rank; returns the summary (rank 0 prints it)."""
+    from tqdm import tqdm
+
+    from ..data import ByteBatches, stdlib_bytes
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    s = _setup(args, rank, world_size)
+    out = Path(args.out)
+    ckpt = out / "checkpoint"
+    if args.resume and (ckpt / "moecompile.json").exists():
+        s.step.load(ckpt)
+    text = stdlib_bytes(root=args.data) if args.data else stdlib_bytes()
+    split = int(len(text) * 0.95)
+    train_data = ByteBatches(text[:split], args.batch, args.seq, seed=args.seed)
+    held_out = ByteBatches(text[split:], args.batch, args.seq, seed=args.seed + 1)
+    lead = rank == 0
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        s.plan.save(out / "plan.yaml")
+        e = s.plan.experts
+        n_params = sum(p.numel() for p in s.result.module.parameters())
+        print(f"moecompile train: {args.model or DEFAULT_MODEL} -> {e.num_experts} experts top-{e.top_k} "
+              f"(G={e.granularity}), ep={s.plan.parallel.ep} over {world_size} rank(s) "
+              f"({s.plan.parallel.dispatcher}, {s.plan.parallel.dispatch_mode}); {n_params:,} parameters on this rank; "
+              f"batch {args.batch} x {args.seq} bytes of {len(text):,} bytes of text", flush=True)
+    history: list[Any] = []
+    start, first = time.perf_counter(), s.step.step_count
+    bar = tqdm(total=args.steps, initial=first, disable=not lead, unit="step", dynamic_ncols=True, file=sys.stderr,
+               mininterval=0.2 if sys.stderr.isatty() else 15.0)  # a log file gets a bar line now and then
+    while s.step.step_count < args.steps:
+        i = s.step.step_count
+        m = s.step(train_data.shard(i, rank, world_size))
+        history.append(m)
+        bar.update(1)
+        bar.set_postfix(loss=f"{m.loss:.3f}", tok_s=f"{m.tokens_per_s:,.0f}")
+        if lead and (m.step % args.log_every == 0 or m.step == first + 1 or m.step == args.steps):
+            bar.write(_line(m))
+    bar.close()
+    seconds = time.perf_counter() - start
+    s.step.save(ckpt)
+    val = _held_out_loss(s, held_out, rank, world_size)
+    summary = _summary(history, seconds, val, ckpt)
+    if args.export_hf:
+        from ..export_hf import export_hf
+
+        arch = "qwen3_moe" if getattr(s.dense.config, "model_type", "") == "qwen3" else "mixtral"
+        export_hf(s.result, args.export_hf, arch=arch, config=s.dense.config, world=s.world)
+        summary["exported"] = f"{args.export_hf} ({arch})"
+    if lead:
+        print(_format_summary(summary), flush=True)
+    if s.world is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return summary
+
+
+def _line(m: Any) -> str:
+    router = "  ".join(f"{k} {v:.3f}" for k, v in sorted(m.router_losses.items()))
+    loads = "  ".join(f"L{_layer_index(layer)} {load}" for layer, load in m.expert_load.items())
+    return (f"step {m.step:5d}  loss {m.loss:.4f}  lm {m.lm_loss:.4f}  {router}  "
+            f"{m.tokens_per_s:,.0f} tok/s  max/mean load {max(m.load_balance().values()):.2f}  load {loads}")
+
+
+def _layer_index(layer: str) -> str:
+    parts = [p for p in layer.split(".") if p.isdigit()]
+    return parts[0] if parts else layer
+
+
+def _held_out_loss(s: _Setup, data: Any, rank: int, world_size: int, batches: int = 4) -> float:
+    """Mean next-byte loss on text the run never trained on (the last 5% of the corpus)."""
+    import torch
+    import torch.distributed as dist
+
+    from ..train_step import causal_lm_loss
+
+    total = torch.zeros(1, dtype=torch.float64)
+    with torch.no_grad():
+        for i in range(batches):
+            x, y = data.shard(i, rank, world_size)
+            total += causal_lm_loss(s.result.module(x), y).double()
+    if s.world is not None:
+        dist.all_reduce(total, group=s.world.dp_group)
+    return float(total) / (batches * world_size)
+
+
+def _summary(history: list[Any], seconds: float, val: float, ckpt: Path) -> dict[str, Any]:
+    if not history:
+        return {"steps": 0, "checkpoint": str(ckpt), "held_out_loss": val}
+    k = max(1, min(10, len(history) // 5))
+    first = sum(m.lm_loss for m in history[:k]) / k
+    last = sum(m.lm_loss for m in history[-k:]) / k
+    tokens = sum(m.tokens for m in history)
+    balance: dict[str, float] = {}
+    for m in history[-k:]:
+        for layer, b in m.load_balance().items():
+            balance[layer] = balance.get(layer, 0.0) + b / k
+    return {"steps": history[-1].step, "steps_run": len(history), "tokens": tokens, "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "first_loss": first, "final_loss": last,
+            "held_out_loss": val, "load_balance": balance, "checkpoint": str(ckpt), "averaged_over": k}
+
+
+def _format_summary(s: dict[str, Any]) -> str:
+    if not s.get("steps_run"):
+        return f"nothing to train (already at the last step); held-out loss {s['held_out_loss']:.4f}; checkpoint {s['checkpoint']}"
+    balance = ", ".join(f"L{_layer_index(k)} {v:.2f}" for k, v in s["load_balance"].items())
+    lines = [
+        "summary",
+        f"  steps            {s['steps_run']} (now at step {s['steps']}), {s['tokens']:,} tokens in "
+        f"{datetime.timedelta(seconds=round(s['seconds']))}",
+        f"  throughput       {s['tokens_per_s']:,.0f} tokens/s",
+        f"  lm loss          {s['first_loss']:.4f} -> {s['final_loss']:.4f} (mean of the first / last "
+        f"{s['averaged_over']} steps; ln 256 = 5.545 is a uniform guess)",
+        f"  held-out loss    {s['held_out_loss']:.4f} (text never trained on)",
+        f"  load balance     max/mean expert load {balance} (1.00 is perfect)",
+        f"  checkpoint       {s['checkpoint']}",
+    ]
+    if "exported" in s:
+        lines.append(f"  exported         {s['exported']}")
+    return "\n".join(lines)

@@ -1,0 +1,48 @@
+"""``moecompile train`` end to end: spawned ep=2 ranks train, log, checkpoint, summarise; --resume continues."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+FAST = ["--model", "tiny-llama", "--batch", "4", "--seq", "16", "--log-every", "1"]
+
+
+def moecompile(*args: str, cwd, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "moecompile", *args], cwd=cwd, env=env, timeout=timeout,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.distributed
+def test_train_five_steps_on_two_ranks_then_resume_on_one(tmp_path):
+    out = tmp_path / "run"
+    proc = moecompile("train", "--steps", "5", *FAST, "--out", str(out), cwd=tmp_path)
+    text = proc.stdout
+    assert "8 experts top-2" in text and "ep=2 over 2 rank(s)" in text, text
+    lines = re.findall(r"step +(\d+) +loss ([\d.]+) .* load L0 \[([\d, ]+)\]", text)
+    assert [int(s) for s, _, _ in lines] == [1, 2, 3, 4, 5], text
+    assert all(sum(int(v) for v in load.split(",")) == 4 * 16 * 2 for _, _, load in lines)  # global load, top-2
+    assert "summary" in text and "tokens/s" in text and "load balance" in text
+    meta = json.loads((out / "checkpoint" / "moecompile.json").read_text())
+    assert meta["step"] == 5 and meta["ep"] == 2 and meta["world_size"] == 2
+    assert (out / "plan.yaml").exists()
+    # the ep=2 checkpoint resumes in one process (ep=1): two more steps, from step 5
+    proc = moecompile("train", "--steps", "7", *FAST, "--out", str(out), "--resume", "--nproc", "1", cwd=tmp_path)
+    assert re.search(r"steps +2 \(now at step 7\)", proc.stdout), proc.stdout
+    assert [int(s) for s in re.findall(r"step +(\d+) +loss", proc.stdout)] == [6, 7]
+    assert json.loads((out / "checkpoint" / "moecompile.json").read_text())["step"] == 7
+
+
+def test_a_bad_plan_is_a_clean_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "moecompile", "train", "--nproc", "1", "--steps", "1",
+                           "--set", "experts.top_k=9", "--out", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "experts.top_k" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -1,0 +1,176 @@
+"""CUDA graphs: the plan rule, the CPU-checkable capture-safety proof, the region split, and (GPU) capture."""
+
+from __future__ import annotations
+
+import operator
+import warnings
+
+import pytest
+import torch
+import torch.fx as fx
+
+import moecompile as mc
+from moecompile.cuda_graphs import check_capture_safety, scan_graph, split_static_regions
+from moecompile.data import ByteBatches, stdlib_bytes
+from moecompile.models import build_model
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+BATCH, SEQ = 4, 16
+STATIC = {"experts": {"num_experts": 4, "top_k": 2, "capacity_factor": 1.0, "aux_loss": "aux"},
+          "parallel": {"dispatch_mode": "static"}}
+
+
+def convert(plan: dict, device: str = "cpu", passes=None) -> tuple[mc.ConversionResult, torch.Tensor]:
+    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=BATCH, seq_len=SEQ)
+    dense, ids = dense.to(device), ids.to(device)
+    return mc.convert(dense, plan, (ids,), passes=passes), ids
+
+
+def test_full_capture_needs_static_dispatch():
+    with pytest.raises(mc.PlanError, match=r"cuda_graph.mode.*'full'.*parallel.dispatch_mode='dropless'.*"
+                                           r"Set parallel.dispatch_mode: static"):
+        mc.Plan.from_dict({"cuda_graph": {"mode": "full"}})
+    plan = mc.Plan.from_dict({**STATIC, "cuda_graph": {"mode": "full"}})
+    assert plan.cuda_graph.mode == "full"
+    mc.Plan.from_dict({"cuda_graph": {"mode": "partial"}})  # partial keeps the experts eager: any dispatch
+
+
+def test_a_static_plan_is_capture_safe_forward_and_backward():
+    result, _ = convert(STATIC)
+    report = check_capture_safety(result)
+    assert report.safe and report.backward_checked, str(report)
+    report.raise_if_unsafe()
+
+
+def _sync_in_router(gm: fx.GraphModule, ctx) -> None:
+    """A user pass that reads the router's top choice on the host (what dropless dispatch must do)."""
+    from moecompile.meta import Role
+
+    for n in list(gm.graph.nodes):
+        if n.meta.get("moe", {}).get("role") == Role.ROUTE and n.target is torch.ops.moecompile.route.default:
+            with gm.graph.inserting_after(n):
+                idx = gm.graph.call_function(operator.getitem, (n, 1))
+            with gm.graph.inserting_after(idx):
+                host = gm.graph.call_method("tolist", (idx,))
+            host.meta["moe"] = {"layer": n.meta["moe"]["layer"], "role": Role.DISPATCH}
+            return
+
+
+def test_a_host_read_in_the_graph_is_found_and_named():
+    result, _ = convert(STATIC, passes=[_sync_in_router])
+    report = check_capture_safety(result, backward=False)
+    assert not report.safe
+    assert any(".tolist()" in f.op and f.layer == "model.layers.0.mlp" and f.role == "dispatch"
+               for f in report.findings), str(report)
+    with pytest.raises(mc.MoecompileError, match="(?s)not capture-safe.*tolist.*dispatch_mode: static"):
+        report.raise_if_unsafe()
+    # the host read sits on the expert path, which partial capture leaves eager
+    assert check_capture_safety(result, region="static").safe
+
+
+class _HostNorm(torch.autograd.Function):
+    """Identity forward; the backward reads the gradient norm on the host (a sync autograd hides)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g / max(1.0, float(g.norm()))
+
+
+def test_a_sync_inside_backward_is_found_by_the_joint_trace():
+    result, ids = convert(STATIC)
+    module = result.module
+
+    def loss_fn(out, targets):
+        logits = _HostNorm.apply(out.logits)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1))
+
+    assert scan_graph(module.graph) == []  # the forward graph alone looks clean
+    report = check_capture_safety(result, loss_fn=loss_fn)
+    assert not report.safe and "forward + backward" in str(report), str(report)
+
+
+def test_split_regions_compute_the_same_and_share_parameters():
+    result, ids = convert({"experts": {"num_experts": 4, "top_k": 2, "aux_loss": "aux"}})
+    gm = result.module
+    split = split_static_regions(gm)
+    kinds = [n.target.split("_")[0] for n in split.graph.nodes if n.op == "call_module"]
+    assert kinds[0] == "static" and kinds.count("dynamic") == 2  # one expert path per MoE layer
+    assert all(a != b for a, b in zip(kinds, kinds[1:]))  # regions alternate
+    ours = {id(p) for p in gm.parameters()}
+    assert {id(p) for p in split.parameters()} <= ours  # no copies: optimizer and checkpoints see the same tensors
+    for name, sub in split.named_children():
+        assert check_capture_safety_of(sub) or name.startswith("dynamic")
+    want = gm(ids).logits
+    model_out, side = split(ids, use_cache=False)
+    torch.testing.assert_close(model_out.logits, want, rtol=0, atol=0)
+    (model_out.logits.sum() + sum(v["aux_loss"] for v in side.values())).backward()
+    g_split = {n: p.grad.clone() for n, p in gm.named_parameters()}
+    gm.zero_grad()
+    (gm(ids).logits.sum() + result.router_loss() / 0.01).backward()
+    for n, p in gm.named_parameters():
+        torch.testing.assert_close(g_split[n], p.grad, msg=n)
+
+
+def check_capture_safety_of(sub: fx.GraphModule) -> bool:
+    return not scan_graph(sub.graph)
+
+
+def test_cpu_runs_eagerly_and_says_so_once():
+    result, ids = convert(STATIC)
+    data = ByteBatches(stdlib_bytes(100_000), BATCH, SEQ)
+    import moecompile.cuda_graphs as cg
+
+    cg._SAID.discard("cpu-full")
+    with pytest.warns(UserWarning, match="cuda_graph.mode='full'.*runs eagerly"):
+        step = mc.build_train_step(result, cuda_graph="full")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mc.build_train_step(result, cuda_graph="full")  # said once already
+    assert type(step.runner).__name__ == "EagerRunner"
+    assert step(data[0]).loss > 0
+
+
+# ---------------------------------------------------------------- expert parallel (spawned ranks)
+
+
+@pytest.mark.distributed
+def test_dropless_ep2_is_not_capture_safe_but_its_static_regions_are():
+    from _ep_scenario import ep2_results
+
+    _, ranks = ep2_results()
+    for r in ranks:
+        safe, text = r["dropless_full"]
+        assert not safe and "dispatch" in text, text  # the count exchange is read on the host
+        safe, text = r["dropless_static_region"]
+        assert safe, text
+        safe, text = r["static_full"]
+        assert safe, text  # static capacity: fixed splits, nothing read on the host
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+def _steps(mode: str, n: int = 6) -> list[float]:
+    plan = {**STATIC, "cuda_graph": {"mode": mode, "warmup_steps": 2}}
+    result, _ = convert(plan, "cuda")
+    step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3), precision="fp32")
+    data = ByteBatches(stdlib_bytes(100_000), BATCH, SEQ)
+    return [step(tuple(t.cuda() for t in data[i])).loss for i in range(n)]
+
+
+@pytest.mark.gpu
+@gpu
+def test_full_capture_replays_the_eager_step():
+    eager, full = _steps("none"), _steps("full")
+    assert full == pytest.approx(eager, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.gpu
+@gpu
+def test_partial_capture_replays_the_eager_step():
+    eager, partial = _steps("none"), _steps("partial")
+    assert partial == pytest.approx(eager, rel=1e-4, abs=1e-5)
