@@ -350,8 +350,8 @@ def _has_fp8(profile: ModelProfile) -> bool:
 
 def _memory(profile: ModelProfile, cluster: Cluster, cand: Candidate, params_rank: float) -> list[Term]:
     e = profile.elem_bytes
-    if profile.param_state_bytes is not None:
-        state, how = profile.param_state_bytes, "memory estimator"
+    if profile.param_state_ratio is not None:
+        state, how = profile.param_state_ratio * e, "moecompile.memory estimator"
     else:  # build_train_step: grads in the parameter dtype, fp32 master for a low-precision model, fp32 AdamW
         master = 4 if e < 4 else 0
         state = e + master + ADAMW_STATE_BYTES

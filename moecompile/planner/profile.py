@@ -86,7 +86,7 @@ class ModelProfile:
     layers: list[LayerProfile]  # base first
     plan: Any  # the moecompile Plan the graph was converted with
     memory_source: str
-    param_state_bytes: float | None = None  # grads + optimizer bytes per parameter element (estimator), None: default
+    param_state_ratio: float | None = None  # (grads + optimizer) bytes per parameter byte (estimator); None: default
     approximate: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
 
@@ -339,28 +339,31 @@ def _moe_bytes(pairs: list[tuple[fx.Node, NodeCost]]) -> tuple[float, float]:
     return 0.0, 0.0
 
 
-def _activations(result: Any, micro_batch: int) -> tuple[float, str, float | None]:
-    """Bytes kept for backward by one micro-batch, the source of the figure, and state bytes per param."""
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Activation bytes one micro-batch keeps for backward, where the figure comes from, and state per param."""
+
+    total: float
+    by_layer: dict[int | None, float] | None  # layer index -> bytes (None: outside the layers); None if unknown
+    source: str
+    state_ratio: float | None  # (grads + optimizer) bytes per parameter byte; None if unknown
+
+
+def measure_activations(result: Any, micro_batch: int) -> Memory:
+    """The memory estimator's figure for ``result`` (``moecompile.memory``), or moecompile.costs' without it."""
     try:
         from ..memory import estimate_memory  # the memory engineer's estimator
     except ImportError:
-        est = None
-    else:
-        est = estimate_memory(result, batch=micro_batch)
-    if est is not None:
-        return _from_estimate(est)
-    c = costs.graph_costs(result.history[-1].graph)
-    return float(c.activation_bytes), "moecompile.costs activation_bytes (moecompile.memory not available)", None
-
-
-def _from_estimate(est: Any) -> tuple[float, str, float | None]:
-    """Read what the memory estimator returned (activation peak, and grads+optimizer per parameter)."""
-    get = (lambda k, d=None: est.get(k, d)) if isinstance(est, dict) else (lambda k, d=None: getattr(est, k, d))
-    act = get("peak_activations") or get("activation_bytes") or get("activations") or 0
-    params = get("params") or get("param_bytes") or 0
-    state = (get("grads") or get("grad_bytes") or 0) + (get("optimizer") or get("optimizer_bytes") or 0)
-    per_param = state / params if params else None
-    return float(act), "moecompile.memory.estimate_memory", per_param
+        c = costs.graph_costs(result.history[-1].graph)
+        return Memory(float(c.activation_bytes), None,
+                      "moecompile.costs activation_bytes (moecompile.memory not available)", None)
+    est = estimate_memory(result, batch=micro_batch, by_pass=False)
+    by_layer: dict[int | None, float] = {}
+    for layer, cats in est.by_layer.items():
+        idx = _layer_of(layer)
+        by_layer[idx] = by_layer.get(idx, 0.0) + float(sum(cats.values()))
+    state = (est.grads + est.optimizer) / est.params if est.params else None
+    return Memory(float(est.activations), by_layer, "moecompile.memory.estimate_memory", state)
 
 
 # --- building profiles --------------------------------------------------------------------------------
@@ -389,13 +392,19 @@ def _costs_of(pairs: list[tuple[fx.Node, NodeCost]]) -> list[NodeCost]:
     return [nc for _, nc in pairs]
 
 
+def _layer_memory(mem: Memory, index: int | None) -> float:
+    assert mem.by_layer is not None
+    return mem.by_layer.get(index, 0.0)
+
+
 @functools.lru_cache(maxsize=32)
 def _profile_cached(key: str, seq_len: int, micro_batch: int, sections: str) -> ModelProfile:
     spec = json.loads(key)
-    config = load_model_config(spec["model"]) if "model" in spec else None
-    from transformers import AutoConfig
+    if "model" in spec:
+        config = load_model_config(spec["model"])
+    else:
+        from transformers import AutoConfig
 
-    if config is None:
         fields = dict(spec["config"])
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     arch = moe_arch(config, spec.get("experts"))
@@ -404,34 +413,36 @@ def _profile_cached(key: str, seq_len: int, micro_batch: int, sections: str) -> 
     if seq_len > getattr(config, "max_position_embeddings", seq_len):
         arch = dataclasses.replace(arch, base={**arch.base, "max_position_embeddings": seq_len})
     p1 = _meta_convert(arch.config(1, arch.moe_intermediate), plan, micro_batch, seq_len)
-    p2 = _meta_convert(arch.config(2, arch.moe_intermediate), plan, micro_batch, seq_len)
-    g1, g2 = _split(p1), _split(p2)
-    par1, par2 = _params(p1), _params(p2)
-    a1, source, state = _activations(p1, micro_batch)
-    a2, _, _ = _activations(p2, micro_batch)
+    g1, par1, m1 = _split(p1), _params(p1), measure_activations(p1, micro_batch)
+    if m1.by_layer is not None:  # the estimator splits by layer: one traced layer is enough
+        base_act, moe_act = _layer_memory(m1, None), _layer_memory(m1, 0)
+        traced = "1 MoE layer"
+    else:  # a whole-graph figure: difference of 1 and 2 layers
+        m2 = measure_activations(_meta_convert(arch.config(2, arch.moe_intermediate), plan, micro_batch, seq_len),
+                                 micro_batch)
+        base_act, moe_act = 2 * m1.total - m2.total, m2.total - m1.total
+        traced = "1 and 2 MoE layers"
     rows, hidden = _moe_bytes(g1.get(0, []))
-    base_act = 2 * a1 - a2
     base = LayerProfile("base", 1, _costs_of(g1.get(None, [])), hidden_bytes=hidden,
                         dense_params=par1.get(None, (0, 0))[0], activation_bytes=max(0.0, base_act))
     moe = LayerProfile("moe", arch.n_moe, _costs_of(g1.get(0, [])), rows, hidden, *par1.get(0, (0.0, 0.0)),
-                       activation_bytes=a2 - a1)
+                       activation_bytes=moe_act)
     layers = [base, moe]
     if arch.n_dense:
         no_experts = {**plan, "experts": {**plan["experts"], "layers": []}}
         d1 = _meta_convert(arch.config(1, arch.dense_intermediate), no_experts, micro_batch, seq_len)
-        ad, _, _ = _activations(d1, micro_batch)
-        gd = _split(d1)
-        layers.append(LayerProfile("dense", arch.n_dense, _costs_of(gd.get(0, [])), 0.0, hidden,
-                                   _params(d1).get(0, (0.0, 0.0))[0], 0.0, activation_bytes=ad - base_act))
+        md = measure_activations(d1, micro_batch)
+        dense_act = _layer_memory(md, 0) if md.by_layer is not None else md.total - base_act
+        layers.append(LayerProfile("dense", arch.n_dense, _costs_of(_split(d1).get(0, [])), 0.0, hidden,
+                                   _params(d1).get(0, (0.0, 0.0))[0], 0.0, activation_bytes=dense_act))
+        traced += " and 1 dense layer"
     experts = p1.plan.experts
     elem = next(p1.module.parameters()).element_size()
-    approx = any(costs.graph_costs(r.history[-1].graph).approximate for r in (p1,))
-    name = spec.get("name", config.model_type)
-    notes = [f"traced 1 and 2 MoE layers{' and 1 dense layer' if arch.n_dense else ''} on the meta device; "
-             f"scaled to {arch.n_moe} MoE + {arch.n_dense} dense layers"]
-    del par2, g2
-    return ModelProfile(name, seq_len, micro_batch, config.hidden_size, experts.num_experts, experts.top_k, elem,
-                        layers, p1.plan, source, state, approx, notes)
+    approx = costs.graph_costs(p1.history[-1].graph).approximate
+    notes = [f"traced {traced} on the meta device; scaled to {arch.n_moe} MoE + {arch.n_dense} dense layers"]
+    return ModelProfile(spec.get("name", config.model_type), seq_len, micro_batch, config.hidden_size,
+                        experts.num_experts, experts.top_k, elem, layers, p1.plan, m1.source, m1.state_ratio, approx,
+                        notes)
 
 
 def profile_config(model: Any, *, seq_len: int, micro_batch: int = 1, experts: dict | None = None,
@@ -452,29 +463,43 @@ def profile_config(model: Any, *, seq_len: int, micro_batch: int = 1, experts: d
 
 
 def profile_result(result: Any) -> ModelProfile:
-    """Profile a ConversionResult as it is: every layer of its graph, at its example batch."""
-    groups = _split(result)
-    params = _params(result)
+    """Profile a ConversionResult as it is: every layer of its graph, at its example batch.
+
+    A graph converted with ``parallel.ep > 1`` holds E/ep experts; its expert parameters and
+    weight bytes are scaled back to the whole model (the cost model divides by ep again).
+    """
     ids = result.example_inputs[0] if result.example_inputs else None
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise MoecompileError("profile_result needs a result converted from token ids [batch, seq] "
                               "(result.example_inputs[0])")
     micro_batch, seq_len = ids.shape
-    layers = [LayerProfile("base", 1, _costs_of(groups.pop(None, [])), dense_params=params.get(None, (0, 0))[0])]
+    ep = result.plan.parallel.ep
+    groups = _split(result)
+    params = _params(result)
+
+    def whole(nodes: list[NodeCost]) -> list[NodeCost]:
+        if ep == 1:
+            return nodes
+        return [dataclasses.replace(n, weight_bytes=n.weight_bytes * ep, bytes=n.bytes + n.weight_bytes * (ep - 1))
+                if n.category == "experts" else n for n in nodes]
+
+    layers = [LayerProfile("base", 1, whole(_costs_of(groups.pop(None, []))), dense_params=params.get(None, (0, 0))[0])]
     for idx in sorted(groups):
         pairs = groups[idx]
-        rows, hidden = _moe_bytes(pairs)
-        dp, ep = params.get(idx, (0.0, 0.0))
-        layers.append(LayerProfile("moe" if rows else "dense", 1, _costs_of(pairs), rows, hidden, dp, ep))
+        rows, hidden_b = _moe_bytes(pairs)
+        dp, xp = params.get(idx, (0.0, 0.0))
+        layers.append(LayerProfile("moe" if rows else "dense", 1, whole(_costs_of(pairs)), rows, hidden_b, dp, xp * ep))
     layers[0].hidden_bytes = max((lp.hidden_bytes for lp in layers), default=0.0)
-    act, source, state = _activations(result, micro_batch)
-    layers[0].activation_bytes = act  # whole-graph figure, kept on the base
+    mem = measure_activations(result, int(micro_batch))
+    layers[0].activation_bytes = mem.total  # a whole-graph figure, kept on the base
     experts = result.plan.experts
     elem = next(p.element_size() for p in result.module.parameters())
-    hidden = result.module.get_parameter(experts_param(result)).shape[-1] if experts_param(result) else 0
+    name = experts_param(result)
+    hidden = result.module.get_parameter(name).shape[-1] if name else 0
     return ModelProfile(type(result.module).__name__, int(seq_len), int(micro_batch), int(hidden), experts.num_experts,
-                        experts.top_k, elem, layers, result.plan, source, state,
-                        costs.graph_costs(result.history[-1].graph).approximate, ["profiled the converted graph as is"])
+                        experts.top_k, elem, layers, result.plan, mem.source, mem.state_ratio,
+                        costs.graph_costs(result.history[-1].graph).approximate,
+                        [f"profiled the converted graph as is (ep={ep})"])
 
 
 def experts_param(result: Any) -> str | None:

@@ -123,13 +123,17 @@ def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, spa
     if not space.expert_parallel:
         skipped += [f"ep={ep}: the expert_parallel pass is not available" for ep in eps if ep > 1]
         eps = [1]
+    overlap_chunks = space.overlap_chunks
+    if overlap_chunks and "overlap" not in {f.name for f in dataclasses.fields(Plan)}:
+        skipped.append(f"overlap chunks {list(overlap_chunks)}: Plan has no 'overlap' section to hold them")
+        overlap_chunks = ()
     out: list[Candidate] = []
     for ep in eps:
         comm = [("alltoall", "dropless", None)]
         if ep > 1:
             comm = [(d, m, cf) for d in space.dispatchers for m in space.dispatch_modes
                     for cf in (space.capacity_factors if m == "static" else (None,))]
-        chunk_opts = [0] + [c for c in space.overlap_chunks if ep > 1]
+        chunk_opts = [0] + [c for c in overlap_chunks if ep > 1]
         for (disp, mode, cf), chunks, rc, fp8, mb in itertools.product(
                 comm, chunk_opts, space.recompute_sets, space.fp8_recipes, mbs):
             plan = Plan.from_dict(_plan_dict(base or {}, experts, ep, disp, mode, cf, rc, fp8, chunks))
