@@ -1,0 +1,244 @@
+"""The planner: legal plans only, plans that can't fit rejected with the reason, plan.yaml round-trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import moecompile as mc
+from moecompile.errors import MoecompileError
+from moecompile.planner import (Candidate, Cluster, Link, SearchSpace, enumerate_candidates, estimate, legal_ep_sizes,
+                                plan_for, preset, profile_config)
+
+TINY = {"num_experts": 8, "top_k": 2}
+MANY = {"num_experts": 64, "top_k": 2}  # experts dominate the tiny model's parameters
+EVERYTHING = SearchSpace(expert_parallel=True, recompute_sets=((), ("moe_act",)), fp8_recipes=("none", "blockwise"),
+                         micro_batches=(1, 2, 4))
+
+
+def tiny_cluster(gpus: int, gpus_per_node: int = 8, memory_gb: float = 80.0) -> Cluster:
+    return preset("h100", gpus, gpus_per_node=gpus_per_node, memory_bytes=memory_gb * 1e9)
+
+
+@pytest.fixture(scope="module")
+def tiny_profile():
+    return profile_config("tiny-llama", seq_len=8, experts=MANY)
+
+
+# --- the enumerator never returns an illegal plan --------------------------------------------------
+
+
+SPACE = SearchSpace(expert_parallel=True, micro_batches=(1, 2, 4))
+
+
+@settings(max_examples=40, deadline=None)
+@given(experts=st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 60, 64, 128, 256]),
+       nodes=st.integers(1, 8), per_node=st.sampled_from([1, 2, 4, 6, 8]),
+       per_gpu=st.integers(1, 4), odd=st.booleans())
+def test_enumerator_never_returns_an_illegal_plan(experts, nodes, per_node, per_gpu, odd):
+    gpus = nodes * per_node
+    cluster = tiny_cluster(gpus, per_node)
+    global_batch = gpus * per_gpu + (1 if odd and gpus > 1 else 0)
+    cands, skipped = enumerate_candidates({"num_experts": experts, "top_k": 1}, cluster, global_batch, SPACE)
+    if global_batch % gpus:
+        assert cands == [] and "whole sequences" in skipped[0]
+        return
+    seen_eps = set()
+    for c in cands:
+        ep = c.plan.parallel.ep
+        seen_eps.add(ep)
+        assert experts % ep == 0 and gpus % ep == 0, c.describe()
+        assert global_batch % (gpus * c.micro_batch) == 0
+        assert mc.Plan.from_dict(c.plan.to_dict()) == c.plan  # validates and round-trips
+        if c.plan.parallel.dispatch_mode == "static":
+            assert ep > 1 and c.plan.parallel.capacity_factor
+        assert c.plan.experts.capacity_factor is None
+    # complete: every EP size that divides both is offered, and every other divisor of the GPUs is explained
+    assert seen_eps == {d for d in range(1, gpus + 1) if gpus % d == 0 and experts % d == 0}
+    for d in range(2, gpus + 1):
+        if gpus % d == 0 and experts % d:
+            assert any(s.startswith(f"ep={d}:") for s in skipped)
+
+
+def test_legal_ep_sizes_name_the_reason():
+    keep, skipped = legal_ep_sizes(num_experts=6, gpus=8)
+    assert keep == [1, 2]
+    assert "ep=4: does not divide num_experts=6" in skipped
+    assert "ep=8: more ranks than the 6 experts" in skipped
+
+
+def test_without_the_expert_parallel_pass_only_ep1():
+    cands, skipped = enumerate_candidates(TINY, tiny_cluster(8), 16, dataclasses.replace(EVERYTHING, expert_parallel=False))
+    assert {c.ep for c in cands} == {1}
+    assert any("expert_parallel pass is not available" in s for s in skipped)
+
+
+# --- plans that can't fit are rejected with the reason ----------------------------------------------
+
+
+def _search(profile, cluster, global_batch, space):
+    from moecompile.planner import search
+
+    return search(lambda cand: profile, profile.plan.experts.to_dict(), cluster, global_batch, space)
+
+
+def test_plans_that_cannot_fit_are_rejected_with_the_reason(tiny_profile):
+    space = dataclasses.replace(EVERYTHING, recompute_sets=((),), fp8_recipes=("none",), micro_batches=(1,))
+    big = tiny_cluster(8)
+    by_ep = {}
+    for c in enumerate_candidates(tiny_profile.plan.experts.to_dict(), big, 8, space)[0]:
+        by_ep.setdefault(c.ep, estimate(tiny_profile, big, c, 8).memory_bytes)
+    assert by_ep[1] > by_ep[8]  # experts are sharded: more EP, less memory per rank
+    # a GPU just too small for ep=1 and ep=2, big enough for ep>=4
+    mem = (by_ep[2] + by_ep[4]) / 2 / big.usable_memory_fraction
+    report = _search(tiny_profile, dataclasses.replace(big, memory_bytes=mem), 8, space)
+    assert report.ranked and all(e.candidate.ep >= 4 for e in report.ranked)
+    rejected_eps = {e.candidate.ep for e, _ in report.rejected}
+    assert rejected_eps == {1, 2}
+    for est, why in report.rejected:
+        assert not est.fits and why.startswith("needs ") and "GiB usable" in why and "activations" in why
+    steps = [e.step_s for e in report.ranked]
+    assert steps == sorted(steps)
+
+
+def test_nothing_fits_raises_with_the_reasons(tiny_profile):
+    space = dataclasses.replace(EVERYTHING, recompute_sets=((),), fp8_recipes=("none",), micro_batches=(1,))
+    report = _search(tiny_profile, tiny_cluster(8, memory_gb=1e-6), 8, space)
+    assert not report.ranked and report.rejected
+    with pytest.raises(MoecompileError, match="no plan .* fits .*needs"):
+        report.best
+    assert "no plan fits in memory" in report.table()
+
+
+# --- the cost model's terms move the right way ---------------------------------------------------------
+
+
+def _est(profile, cluster, ep, **kw):
+    plan = mc.Plan.from_dict({"experts": profile.plan.experts.to_dict(), "parallel": {"ep": ep}})
+    return estimate(profile, cluster, Candidate(plan, **kw), cluster.gpus)
+
+
+def test_dispatch_costs_more_across_nodes_and_overlap_hides_it(tiny_profile):
+    cl = tiny_cluster(16)
+    intra, inter = _est(tiny_profile, cl, 8), _est(tiny_profile, cl, 16)
+    rows = tiny_profile.layers[1].dispatch_bytes
+    assert rows == tiny_profile.tokens * 2 * 32 * tiny_profile.elem_bytes  # T*k*H elements of the routed rows
+    assert inter.term("dispatch+combine") > intra.term("dispatch+combine") > 0
+    assert _est(tiny_profile, cl, 1).term("dispatch+combine") == 0
+    slow = dataclasses.replace(cl, intra=Link(1e7, 1e-6), bf16_flops=1e8)  # exchange and experts both take ms
+    plain = _est(tiny_profile, slow, 8)
+    hidden = _est(tiny_profile, slow, 8, overlap_chunks=4, overlap_backward=True)
+    assert hidden.term("dispatch+combine") < plain.term("dispatch+combine")
+    assert hidden.step_s < plain.step_s
+
+
+def test_explain_prints_every_term(tiny_profile):
+    from moecompile.planner.explain import explain
+
+    est = _est(tiny_profile, tiny_cluster(8), 8)
+    text = explain(est)
+    for t in est.terms + est.memory:
+        assert t.name in text
+    assert "= step" in text and "fits" in text
+
+
+def test_layer_scaling_is_exact_for_flops():
+    """One traced layer scaled to 3 gives the same FLOPs and parameters as converting all 3 layers."""
+    import transformers
+
+    from moecompile.costs import graph_costs
+    from moecompile.planner.profile import _meta_convert
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    prof = profile_config(cfg, seq_len=16, experts=TINY)
+    full = _meta_convert(cfg, {"experts": TINY}, 1, 16)
+    assert math.isclose(prof.flops, graph_costs(full.history[-1].graph).flops, rel_tol=1e-9)
+    assert math.isclose(prof.dense_params + prof.expert_params, sum(p.numel() for p in full.module.parameters()))
+
+
+# --- plan.yaml round-trips through convert -------------------------------------------------------------
+
+
+def test_written_plan_round_trips_through_convert(tmp_path, llama, ids):
+    report = plan_for("tiny-llama", "h100", gpus=1, global_batch=4, seq_len=8, experts=MANY,
+                      space=SearchSpace(expert_parallel=True, micro_batches=(1, 2)))
+    path = tmp_path / "plan.yaml"
+    plan = report.save(str(path))
+    loaded = mc.Plan.from_file(path)
+    assert loaded == plan == report.best.plan
+    result = mc.convert(llama, loaded, (ids,))
+    assert result.plan == loaded
+    assert result.module(ids).logits.shape == (2, 8, 128)
+    assert "experts.w_gate_up" in "".join(n for n, _ in result.module.named_parameters())
+
+
+def test_multi_gpu_plan_yaml_parses_back(tmp_path, tiny_profile):
+    space = dataclasses.replace(EVERYTHING, recompute_sets=((),), fp8_recipes=("none",))
+    report = _search(tiny_profile, tiny_cluster(16, memory_gb=1.0), 32, space)
+    best = report.best
+    assert best.candidate.ep > 1  # experts cost memory and compute: the planner spreads them
+    path = tmp_path / "plan.yaml"
+    report.save(str(path))
+    assert mc.Plan.from_file(path) == best.plan
+
+
+def test_cli_plan_writes_a_plan(tmp_path, capsys):
+    from moecompile.cli import main
+
+    out = tmp_path / "p.yaml"
+    rc = main(["plan", "--model", "tiny-llama", "--experts", '{"num_experts": 64, "top_k": 2}', "--cluster", "h100",
+               "--gpus", "1", "--global-batch", "2", "--seq-len", "8", "--micro-batches", "1", "--fp8", "none",
+               "--explain", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0 and out.exists()
+    assert "plans that fit" in text and "step time per rank" in text and "memory per rank" in text
+    assert mc.Plan.from_file(out).experts.num_experts == 64
+
+
+def test_cli_plan_names_a_bad_batch(capsys):
+    from moecompile.cli import main
+
+    rc = main(["plan", "--model", "tiny-llama", "--experts", '{"num_experts": 64, "top_k": 2}', "--gpus", "8",
+               "--global-batch", "3", "--seq-len", "8", "--fp8", "none"])
+    assert rc == 2
+    assert "multiple of 8" in capsys.readouterr().err
+
+
+# --- clusters ------------------------------------------------------------------------------------------
+
+
+def test_presets_and_spans():
+    h = preset("h100", 256)
+    assert h.bf16_flops == pytest.approx(989.4e12) and h.fp8_flops == pytest.approx(2 * h.bf16_flops, rel=1e-3)
+    assert h.span(8) == "intra" and h.span(16) == "inter" and h.span(1) == "local"
+    assert h.peers_off_node(16) == 0.5 and h.peers_off_node(8) == 0.0
+    g = preset("gb200", 256)
+    assert g.span(64) == "intra" and g.memory_bytes > preset("h200").memory_bytes > h.memory_bytes
+    for name in ("h100", "h200", "gb200"):
+        assert preset(name).source
+    with pytest.raises(MoecompileError, match="unknown cluster preset"):
+        preset("a100")
+
+
+def test_cpu_cluster_is_measured():
+    from moecompile.planner.microbench import cluster_from, measure_rank
+
+    torch.set_num_threads(1)
+    c = cluster_from([measure_rank(1)], threads=1)
+    assert c.bf16_flops > 1e8 and c.hbm_bandwidth > 1e8 and 0 < c.op_overhead_s < 1e-3
+    assert "measured" in c.source
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_gloo_all_to_all_is_measured():
+    from moecompile.planner.microbench import measure_cpu_cluster
+
+    c = measure_cpu_cluster(world=2, threads=1, timeout_s=120)
+    assert c.gpus == 2 and 0 < c.intra.bandwidth < float("inf") and c.intra.latency >= 0
