@@ -166,7 +166,7 @@ def ep_errors(rank, model, p: mc.Plan, xs, targets, setup=None) -> dict:
     worst = max(grads, key=lambda n: rel(grads[n], ref_grads[n]))
     return {
         "out": rel(y.detach(), ref_out[rank]),
-        "loss": abs(float(loss) - ref_loss[rank]) / abs(ref_loss[rank]),
+        "loss": abs(float(loss.detach()) - ref_loss[rank]) / abs(ref_loss[rank]),
         "grad": rel(grads[worst], ref_grads[worst]),
         "worst_grad": worst,
         "result": result,
@@ -246,7 +246,68 @@ def scenario_two_ranks(rank: int, world_size: int) -> dict:
         load = errs["result"].expert_load()
         assert load["layers.0"][2:].sum() == 0 and load["layers.1"][:6].sum() == 0
         report[f"{dispatcher}/{mode}/zero_tokens"] = {k: errs[k] for k in ("out", "loss", "grad")}
+    report["llama"] = llama_training(rank, world_size)  # same spawn: process start-up dominates the cost
     return report
+
+
+LLAMA_STEPS, LLAMA_VOCAB = 3, 64
+
+
+def tiny_llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=LLAMA_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64))
+
+
+def sgd(module: nn.Module, lr: float = 0.5) -> None:
+    with torch.no_grad():
+        for q in module.parameters():
+            if q.grad is not None:
+                q -= lr * q.grad
+                q.grad = None
+
+
+def lm_loss(result, ids):
+    logits = result.module(ids[:, :-1]).logits
+    return F.cross_entropy(logits.reshape(-1, LLAMA_VOCAB), ids[:, 1:].reshape(-1)) + result.router_loss()
+
+
+def llama_training(rank: int, world_size: int) -> dict:
+    """A tiny Llama upcycled to 4 experts trains with ep=2 exactly like ep=1 on the same global batches."""
+    import torch.distributed as dist
+
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, LLAMA_VOCAB, (2 * world_size, 9), generator=g)] * LLAMA_STEPS  # fit one batch
+    p = mc.Plan.from_dict({"experts": {"num_experts": 4, "top_k": 2, "aux_loss": "aux", "z_loss_coeff": 1e-3,
+                                       "router_noise": 0.05}, "parallel": {"ep": 2, "timeout_s": TIMEOUT_S}})
+    ep = mc.convert(model, p, (batches[0][:2, :-1],))
+    ref = mc.convert(model, p.replace(parallel={"ep": 1}), (batches[0][:2, :-1],))
+    perturb(ep.module)
+    perturb(ref.module)
+    world, losses = ep.context.world, []
+    for ids in batches:
+        shards = ids.chunk(world_size)
+        loss = lm_loss(ep, shards[rank])
+        loss.backward()
+        mc.distributed.reduce_gradients(ep.module, world)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        ref_loss = sum(lm_loss(ref, s) for s in shards) / world_size
+        ref_loss.backward()
+        grads, ref_grads = gathered_grads(ep.module, world), {n: q.grad for n, q in ref.module.named_parameters()}
+        grad_err = max(rel(grads[n], ref_grads[n]) for n in grads)
+        losses.append({"ep": float(mean) / world_size, "ref": float(ref_loss.detach()), "grad": grad_err})
+        sgd(ep.module)
+        sgd(ref.module)
+    params, shards = dict(ep.module.named_parameters()), mc.distributed.expert_shards(ep.module)
+    param_err = 0.0
+    for n, q in ref.module.named_parameters():
+        lo, hi = (shards[n].lo, shards[n].hi) if n in shards else (0, q.shape[0] if q.dim() else 1)
+        param_err = max(param_err, rel(params[n].detach(), q.detach()[lo:hi] if q.dim() else q.detach()))
+    return {"steps": losses, "param": param_err}
 
 
 FOUR_RANK_CASES = [(4, "alltoall", "dropless", None), (2, "alltoall", "dropless", None)]
@@ -296,10 +357,26 @@ def fault(rank: int, model: nn.Module, xs: list) -> dict:
 # ---------------------------------------------------------------- tests
 
 
+@pytest.fixture(scope="module")
+def two_ranks() -> list:
+    return spawn(scenario_two_ranks, 2, timeout=200)
+
+
 @pytest.mark.distributed
-def test_two_ranks_match_single_process_for_both_dispatchers_and_modes():
-    reports = spawn(scenario_two_ranks, 2, timeout=150)
-    assert all(r["allgather/static_dropped_tokens"] > 0 for r in reports)
+def test_two_ranks_match_single_process_for_both_dispatchers_and_modes(two_ranks):
+    for report in two_ranks:  # the scenario asserted <= TOL inside each rank; the figures are kept here
+        assert all(report[k]["grad"] <= TOL for k in report if k.endswith(("dropless", "static", "zero_tokens")))
+        assert report["allgather/static_dropped_tokens"] > 0
+
+
+@pytest.mark.distributed
+def test_tiny_llama_trains_with_ep2_step_for_step_like_ep1(two_ranks):
+    for report in two_ranks:
+        steps = report["llama"]["steps"]
+        assert len(steps) == LLAMA_STEPS and steps[-1]["ref"] < steps[0]["ref"], steps  # it trains
+        for s in steps:
+            assert abs(s["ep"] - s["ref"]) <= TOL * abs(s["ref"]) and s["grad"] <= TOL, steps
+        assert report["llama"]["param"] <= TOL, report["llama"]
 
 
 @pytest.fixture(scope="module")
@@ -397,3 +474,64 @@ def test_verifier_rejects_a_collective_read_before_its_wait():
     dangling.meta["moe"] = {"group": "0"}
     with pytest.raises(AssertionError, match="0 waits"):
         verify_collectives(fx.GraphModule(nn.Module(), g), None)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_example_trains_under_torchrun_like_ep1():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(repo / "examples" / "ep_train.py"), "--check", "--steps", "3"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=repo)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = re.findall(r"loss ([\d.]+)\s+ep=1 ([\d.]+)", done.stdout)
+    assert len(steps) == 3, done.stdout
+    assert all(abs(float(a) - float(b)) <= 1e-5 * float(b) for a, b in steps), steps
+    assert float(steps[-1][0]) < float(steps[0][0]), steps
+
+
+# ---------------------------------------------------------------- the sort_chunks op
+
+
+def naive_sort_chunks(x, counts):
+    A, B = counts.shape
+    blocks, start = {}, 0
+    for a in range(A):
+        for b in range(B):
+            n = int(counts[a, b])
+            blocks[a, b] = x[start:start + n]
+            start += n
+    return torch.cat([blocks[a, b] for b in range(B) for a in range(A)] or [x[:0]])
+
+
+SORT_CASES = [  # (counts, width): uneven, empty blocks, nothing at all, one row, a single source / expert
+    ([[1, 2], [1, 1]], 3), ([[0, 3, 0], [2, 0, 1]], 5), ([[0, 0], [0, 0]], 4), ([[1]], 7), ([[4, 0, 2, 1]], 2),
+    ([[2], [0], [3]], 1),
+]
+
+
+@pytest.mark.parametrize("counts, width", SORT_CASES)
+def test_sort_chunks_against_a_loop_and_inverts_with_the_transpose(counts, width):
+    counts = torch.tensor(counts)
+    x = torch.randn(int(counts.sum()), width)
+    y = torch.ops.moecompile.sort_chunks(x, counts)
+    assert torch.equal(y, naive_sort_chunks(x, counts))
+    assert torch.equal(torch.ops.moecompile.sort_chunks(y, counts.t().contiguous()), x)
+
+
+@pytest.mark.parametrize("counts, width", SORT_CASES[:3])
+def test_sort_chunks_opcheck_and_gradcheck(counts, width):
+    counts = torch.tensor(counts)
+    x = torch.randn(int(counts.sum()), width, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(torch.ops.moecompile.sort_chunks.default, (x, counts))
+    assert torch.autograd.gradcheck(lambda t: torch.ops.moecompile.sort_chunks(t, counts), (x,))
+
+
+def test_sort_chunks_rejects_counts_that_do_not_cover_the_rows():
+    with pytest.raises(ValueError, match="sum to N=3"):
+        torch.ops.moecompile.sort_chunks(torch.randn(3, 2), torch.tensor([[1, 1]]))
