@@ -23,6 +23,7 @@ from .convert import ConversionResult, convert
 from .diff import diff
 from . import visualize  # the package is callable: mc.visualize(result, "graph.html")
 from .train_step import StepMetrics, TrainStep, build_train_step
+from .planner import plan_for
 
 __all__ = [
     "ConversionResult", "DistributedError", "KernelError", "MoecompileError", "Options", "PassContext",
@@ -32,4 +33,5 @@ __all__ = [
 __all__ += ["StepMetrics", "TrainStep", "build_train_step"]
 __all__ += ["MemoryEstimate", "estimate_memory", "measure_memory"]
 __all__ += ["ExpertShard", "World", "distributed"]
+__all__ += ["plan_for"]
 __version__ = "0.1.0"
