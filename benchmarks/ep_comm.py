@@ -1,0 +1,182 @@
+"""Expert-parallel communication on gloo (CPU): bytes each rank sends per step, and time share.
+
+    python benchmarks/ep_comm.py                       # ep = 2 and 4, both dispatchers, dropless + static
+    python benchmarks/ep_comm.py --eps 2 --tokens 4096 --hidden 256
+
+Each ep runs in its own spawned world of ep ranks (world = ep). A model of MoE layers only (residual
+GLU FFNs upcycled to E experts, top-k) is converted with the plan; every collective the step runs,
+forward and backward (torch's autograd replays them transposed), is intercepted by a dispatch mode
+that counts the bytes leaving the rank and the wall time spent inside the collective (start + wait).
+
+    ideal     = tokens x k x hidden x dtype bytes x 2 directions per MoE layer, forward; the backward
+                moves the same again, so a step's ideal is 2x that x layers
+    off-rank  = the part of the ideal that must leave the rank: (ep-1)/ep of the copies under uniform
+                routing (copies routed to the rank's own experts stay)
+    sent      = bytes handed to other ranks, forward + backward, counted at every collective
+    comm %    = time inside collectives (start + wait, i.e. exposed) / step time (forward + backward)
+
+Numbers are measured on this machine; nothing is hard-coded. Gloo over loopback on shared CPU cores
+makes communication cheap relative to CPU expert GEMMs, so the shares are low here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_fc = torch.ops._c10d_functional
+_STARTS = {_fc.all_to_all_single.default, _fc.all_gather_into_tensor.default, _fc.reduce_scatter_tensor.default}
+
+
+class GLU(nn.Module):
+    def __init__(self, h: int, f: int):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False), nn.Linear(f, h, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class MoEStack(nn.Module):
+    def __init__(self, h: int, f: int, layers: int):
+        super().__init__()
+        self.layers = nn.ModuleList(GLU(h, f) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+class CommMeter(TorchDispatchMode):
+    """Bytes sent to other ranks and seconds spent in functional collectives (forward and backward)."""
+
+    def __init__(self, rank_in_group: int, group_size: int):
+        super().__init__()
+        self.me, self.n = rank_in_group, group_size
+        self.bytes_sent, self.seconds = 0, 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        is_comm = func in _STARTS or func is _fc.wait_tensor.default
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        if is_comm:
+            self.seconds += time.perf_counter() - start
+        if func in _STARTS:
+            self.bytes_sent += self._sent(func, args)
+        return out
+
+    def _sent(self, func, args) -> int:
+        x = args[0]
+        nbytes = x.numel() * x.element_size()
+        if func is _fc.all_to_all_single.default:
+            row = nbytes // max(x.shape[0], 1)
+            return row * sum(int(s) for j, s in enumerate(args[2]) if j != self.me)
+        if func is _fc.all_gather_into_tensor.default:
+            return nbytes * (self.n - 1)
+        return nbytes * (self.n - 1) // self.n  # reduce-scatter: every chunk but ours leaves
+
+
+def worker(rank: int, ep: int, port: int, cfg: dict, out: Any) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ep))
+    import moecompile as mc
+
+    results = []
+    first = None
+    for dispatcher in cfg["dispatchers"]:
+        for mode in cfg["modes"]:
+            parallel = {"ep": ep, "dispatcher": dispatcher, "dispatch_mode": mode}
+            if mode == "static":
+                parallel["capacity_factor"] = cfg["capacity_factor"]
+            plan = mc.Plan.from_dict({"experts": {"num_experts": cfg["experts"], "top_k": cfg["top_k"],
+                                                  "router_noise": 0.1}, "parallel": parallel})
+            if first is None:
+                first = mc.distributed.init(plan, backend="gloo", rank=rank, world_size=ep,
+                                            init_method=f"tcp://127.0.0.1:{port}")
+            torch.manual_seed(0)
+            model = MoEStack(cfg["hidden"], cfg["ffn"], cfg["layers"])
+            x = torch.randn(cfg["tokens"] // cfg["seq"], cfg["seq"], cfg["hidden"], generator=torch.Generator().manual_seed(rank))
+            result = mc.convert(model, plan, (x,))
+            for _ in range(cfg["warmup"]):
+                result.module(x).square().mean().backward()
+            meter = CommMeter(rank, ep)
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            with meter:
+                for _ in range(cfg["steps"]):
+                    result.module(x).square().mean().backward()
+            step_s = (time.perf_counter() - start) / cfg["steps"]
+            results.append({"ep": ep, "dispatcher": dispatcher, "mode": mode, "bytes": meter.bytes_sent / cfg["steps"],
+                            "comm_s": meter.seconds / cfg["steps"], "step_s": step_s})
+    gathered = [None] * ep
+    torch.distributed.all_gather_object(gathered, results)
+    if rank == 0:
+        out.put(gathered)
+    torch.distributed.destroy_process_group()
+
+
+def run_ep(ep: int, cfg: dict) -> list[list[dict]]:
+    ctx = torch.multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=worker, args=(r, ep, port, cfg, out)) for r in range(ep)]
+    for p in procs:
+        p.start()
+    gathered = out.get(timeout=cfg["timeout"])
+    for p in procs:
+        p.join(timeout=60)
+    return gathered
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="bytes and time of expert-parallel communication on gloo")
+    p.add_argument("--eps", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--dispatchers", nargs="+", default=["alltoall", "allgather"])
+    p.add_argument("--modes", nargs="+", default=["dropless", "static"])
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per rank per step")
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--ffn", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--top-k", dest="top_k", type=int, default=2)
+    p.add_argument("--capacity-factor", dest="capacity_factor", type=float, default=1.25)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=900)
+    args = p.parse_args()
+    cfg = vars(args)
+    ideal = 2 * args.tokens * args.top_k * args.hidden * 4 * 2 * args.layers  # per rank per step: fwd + bwd, fp32
+    print(f"tokens/rank {args.tokens}, hidden {args.hidden}, ffn {args.ffn}, E {args.experts}, k {args.top_k}, "
+          f"{args.layers} MoE layers, fp32; ideal per step = (T*k*H*4 B*2 directions)*layers*2 (fwd+bwd) "
+          f"= {ideal / 2**20:.2f} MiB per rank")
+    header = (f"{'ep':>3} {'dispatcher':>10} {'mode':>9} {'sent MiB/step':>14} {'sent/ideal':>10} "
+              f"{'sent/off-rank ideal':>20} {'comm ms':>8} {'step ms':>8} {'comm %':>7}")
+    print(header)
+    print("-" * len(header))
+    for ep in args.eps:
+        gathered = run_ep(ep, cfg)
+        for i, row in enumerate(gathered[0]):
+            per_rank = [g[i] for g in gathered]
+            sent = sum(r["bytes"] for r in per_rank) / ep
+            comm = sum(r["comm_s"] for r in per_rank) / ep
+            step = max(r["step_s"] for r in per_rank)
+            off_rank_ideal = ideal * (ep - 1) / ep  # uniform routing: (ep-1)/ep of the copies leave the rank
+            print(f"{ep:>3} {row['dispatcher']:>10} {row['mode']:>9} {sent / 2**20:>14.2f} {sent / ideal:>10.2f} "
+                  f"{sent / off_rank_ideal:>20.2f} {comm * 1e3:>8.1f} {step * 1e3:>8.1f} {100 * comm / step:>6.1f}%",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
