@@ -92,15 +92,15 @@ def triton_available() -> bool:
     return _triton_probe() is None
 
 
+_INTERPRETED: dict[str, bool] = {}  # Triton module -> imported under TRITON_INTERPRET=1?
+
+
 @functools.cache
 def _load(target: str) -> Callable:
     module, _, fn = target.partition(":")
     loaded = importlib.import_module(f"{__package__}.{module}")
     _INTERPRETED[module] = _interpret_env()
     return getattr(loaded, fn)
-
-
-_INTERPRETED: dict[str, bool] = {}
 
 
 def _interpret_env() -> bool:

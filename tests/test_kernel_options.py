@@ -169,3 +169,19 @@ def test_gpu_benchmark_says_so_without_cuda(capsys):
     spec.loader.exec_module(bench)
     assert bench.main([]) == 0
     assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_env_var_is_read_once_and_validated(monkeypatch):
+    monkeypatch.setenv(backend.ENV_VAR, "Reference")
+    backend._env_choice.cache_clear()
+    try:
+        assert backend.choice() == "reference"
+        monkeypatch.setenv(backend.ENV_VAR, "triton")
+        assert backend.choice() == "reference"  # read once: later changes don't leak in mid-run
+        monkeypatch.setenv(backend.ENV_VAR, "cuda")
+        backend._env_choice.cache_clear()
+        with pytest.raises(KernelError, match="MOECOMPILE_KERNELS = 'cuda'"):
+            backend.choice()
+    finally:
+        monkeypatch.undo()
+        backend._env_choice.cache_clear()
