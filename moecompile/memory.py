@@ -6,8 +6,8 @@
 
 **Peak activation memory**, precisely: the bytes of distinct tensor storages the
 forward pass leaves alive for backward, on this rank, at the moment forward
-ends — every tensor autograd saved (including a recompute region's inputs and
-its selective-checkpoint cache), plus the graph's outputs; each storage counted
+ends — every tensor autograd saved (for a recompute region: only its inputs),
+plus the graph's outputs; each storage counted
 once however many views or ops share it; parameters and buffers excluded. This
 is the high-water mark of activation memory in a training step up to transient
 workspace: one op's scratch, one recompute region re-materialised in backward,
@@ -110,6 +110,7 @@ class ActivationProfile:
     produced: dict[str, set[int]]  # node -> storages it made
     flops: dict[str, int]  # node -> forward FLOPs (one per output element where torch has no formula)
     out_bytes: dict[str, int]  # node -> bytes of its non-view outputs
+    sizes: dict[int, int] = dataclasses.field(default_factory=dict)  # storage -> bytes, every storage seen
 
     @property
     def device_bytes(self) -> int:
@@ -117,7 +118,7 @@ class ActivationProfile:
 
     @property
     def host_bytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors.values() if t.host_savers and not t.on_device)
+        return sum(t.nbytes for t in self.tensors.values() if t.host_savers)
 
     def split(self, by: str) -> dict[str, int]:
         out: collections.Counter[str] = collections.Counter()
@@ -144,15 +145,16 @@ class _FakeRun:
         self.produced: dict[str, set[int]] = {}
         self.flops: dict[str, int] = {}
         self.out_bytes: dict[str, int] = {}
+        self.sizes: dict[int, int] = {}
         self.saving: fx.Node | None = None
         self.where = "device"  # "device" | "host" (offload region) | "drop" (recompute region)
         self.min_host_bytes = 0
-        self.cache: set[str] = set()  # nodes of the running recompute region whose outputs it caches
+        self.skip: set[int] = set()  # storages a recompute boundary keeps a handle to, not the tensor
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.saving is not None and isinstance(t, torch.Tensor) and self.where != "drop":
             key = _storage(t)
-            if key not in self.params:
+            if key not in self.params and key not in self.skip:
                 nbytes = t.untyped_storage().nbytes()
                 self.record(key, t, self.saving, "host" if self.where == "host" and nbytes >= self.min_host_bytes else "device")
         return t
@@ -220,26 +222,31 @@ class _FakeRun:
                 self.saving = saving
             return node.target(*a, **kw)  # type: ignore[operator]
         module = root.get_submodule(str(node.target))
-        spec = getattr(module, "memory_region", None)
-        if spec is None:
-            return module(*a, **kw)
-        return self.region(node, spec, a)
+        kind = getattr(module, "memory_region", None)
+        if kind == "recompute":  # passes/regions.py RecomputeRegion: checkpointed R, then its consumers
+            return module.run_parts(
+                a, lambda gm, args: self.inside(gm, args, "drop", inputs_saved_by=node),
+                lambda gm, args, gm_r, r_args, rng, r_out: self.inside(gm, args, "device", skip=r_out),
+            )
+        if kind == "offload":
+            return self.inside(module.graph_module, list(a), "host", min_bytes=module.min_bytes)
+        return module(*a, **kw)
 
-    def region(self, node: fx.Node, spec: Any, args: tuple) -> Any:
-        """A recompute region saves its inputs and its cached outputs; an offload region saves to host."""
-        inner = spec.graph_module
-        outer = self.where, self.min_host_bytes, self.cache
-        if spec.mode == "recompute":
-            for t in args:  # checkpoint saves every tensor input
+    def inside(self, gm: fx.GraphModule, args: list[Any], where: str, *, inputs_saved_by: fx.Node | None = None,
+               skip: tuple = (), min_bytes: int = 0) -> Any:
+        """Run a region's graph: "drop" (recomputed: only its inputs stay, saved by checkpoint), "host"
+        (offloaded), or "device" with the storages in ``skip`` not kept (the recompute boundary)."""
+        if inputs_saved_by is not None:
+            for t in args:
                 if isinstance(t, torch.Tensor) and _storage(t) not in self.params:
-                    self.record(_storage(t), t, node, "device")
-            self.where, self.cache = "drop", set(spec.cached)
-        else:
-            self.where, self.min_host_bytes = "host", spec.min_bytes
+                    self.record(_storage(t), t, inputs_saved_by, "device")
+        outer = self.where, self.min_host_bytes, self.skip
+        self.where, self.min_host_bytes = where, min_bytes
+        self.skip = self.skip | {_storage(t) for t in skip if isinstance(t, torch.Tensor)}
         try:
-            return self.run(inner.graph, list(args), root=inner)
+            return self.run(gm.graph, list(args), root=gm)
         finally:
-            self.where, self.min_host_bytes, self.cache = outer
+            self.where, self.min_host_bytes, self.skip = outer
 
     def note(self, node: fx.Node, value: Any) -> None:
         made: set[int] = set()
@@ -250,16 +257,13 @@ class _FakeRun:
                 if key not in self.producer and key not in self.params:
                     self.producer[key] = node
                     self.keep.append(t)  # a freed fake storage's id could be reused by a later one
+                    self.sizes[key] = t.untyped_storage().nbytes()
                     made.add(key)
                     size += t.untyped_storage().nbytes()
         self.produced[node.name] = made
         self.out_bytes[node.name] = size
         if node.op == "call_function" and not self.flops.get(node.name):
             self.flops[node.name] = sum(t.numel() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
-        if self.where == "drop" and node.name in self.cache:
-            for t in pytree.tree_leaves(value):
-                if isinstance(t, torch.Tensor):
-                    self.record(_storage(t), t, node, "device")
 
 
 def profile_activations(graph: fx.Graph, root: torch.nn.Module, inputs: list[Any]) -> ActivationProfile:
@@ -274,7 +278,7 @@ def profile_activations(graph: fx.Graph, root: torch.nn.Module, inputs: list[Any
             src = run.producer.get(_storage(t))
             run.tensors[_storage(t)] = SavedTensor(t.untyped_storage().nbytes(), src.name if src else "output",
                                                    layer_of(src) if src else "(model)", category(src) if src else "other")
-    return ActivationProfile(run.tensors, outputs, run.uses, run.produced, run.flops, run.out_bytes)
+    return ActivationProfile(run.tensors, outputs, run.uses, run.produced, run.flops, run.out_bytes, run.sizes)
 
 
 # ---------------------------------------------------------------- the estimate
@@ -365,6 +369,8 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
     try:
         profile = profile_activations(gm.graph, gm, inputs)
     except Exception as e:
+        if batch is None:
+            raise
         raise MoecompileError(
             f"estimate_memory: the graph does not run on the inputs for batch={batch!r} ({type(e).__name__}: "
             f"{str(e).splitlines()[0] if str(e) else ''}); a graph traced with static shapes only takes its example "

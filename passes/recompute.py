@@ -1,0 +1,334 @@
+"""Pass ``recompute``: recompute regions in backward, offload others, fit an activation budget.
+
+Before (one Llama layer's post-attention norm, saved tensors marked ``*``)::
+
+    h* = add(x, attn);  v* = pow(h, 2) ... n* = mul(w, rsqrt(...) * h);  y = linear(n*, Wg) ...
+
+After ``recompute.modules: [layernorm]``::
+
+    n = call_module[recompute_layernorm_model_layers_0_post_attention_layernorm](h, w, Wg, Wu)
+        # RecomputeRegion: checkpoint(norm)(h, w) -> only h is saved; the linears that read n
+        # save a handle instead of n, and the norm runs again when backward needs n
+
+Regions come from the graph: ``router`` / ``moe_act`` / ``shared_experts`` / ``moe`` from
+``meta["moe"]`` roles and layers, ``attention`` / ``layernorm`` / ``mlp`` from
+``nn_module_stack`` (one region per module instance). Adjacent selected regions
+merge into one. ``recompute.budget`` picks regions greedily by bytes freed per
+recompute FLOP until the activation estimate (``moecompile.memory``, fake
+tensors) fits, then drops picks the budget no longer needs. ``recompute.offload``
+outlines its regions into ``OffloadRegion``s instead (passes/regions.py).
+Legend: R a recomputed region, C its consumers (nodes outside R saving R's outputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassResult
+from torch.fx.passes.utils.fuser_utils import fuse_as_graphmodule
+
+from moecompile.costs import collective_kind, human
+from moecompile.graph import module_path
+from moecompile.memory import ActivationProfile, profile_activations
+from moecompile.meta import Role, copy_moe, moe
+from moecompile.pass_manager import PassContext, register_pass, register_verifier
+
+from .regions import OffloadRegion, RecomputeRegion
+
+_ROLES = {
+    "router": {Role.ROUTER, Role.ROUTE},
+    "moe_act": {Role.EXPERT_ACT},
+    "shared_experts": {Role.SHARED_EXPERTS},
+}
+
+
+@dataclasses.dataclass
+class Region:
+    kind: str
+    name: str  # the module path (or MoE layer) it covers
+    nodes: set[fx.Node]
+
+
+def _stack_types(node: fx.Node) -> list[tuple[str, str]]:
+    return [(re.sub(r"^L\['self'\]\.?", "", p), str(t).rsplit(".", 1)[-1]) for p, t in (node.meta.get("nn_module_stack") or {}).values()]
+
+
+def find_regions(gm: fx.GraphModule, kinds: list[str]) -> list[Region]:
+    """Every region of the given kinds, one per MoE layer or module instance, in graph order."""
+    moe_layers = {moe(n).get("layer") for n in gm.graph.nodes if moe(n).get("role") == Role.ROUTE}
+    found: dict[tuple[str, str], set[fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        role, layer = moe(n).get("role"), moe(n).get("layer")
+        keys = []
+        for kind, roles in _ROLES.items():
+            if role in roles:
+                keys.append((kind, layer))
+        if layer in moe_layers:
+            keys.append(("moe", layer))
+        if role == Role.FFN:
+            keys.append(("mlp", layer))
+        stack = _stack_types(n)
+        attention = [p for p, t in stack if "Attention" in t]
+        if attention and role is None:
+            keys.append(("attention", attention[-1]))
+        if stack and "Norm" in stack[-1][1]:
+            keys.append(("layernorm", module_path(n)))
+        for key in keys:
+            if key[0] in kinds:
+                found.setdefault(key, set()).add(n)
+    return [Region(k, name, nodes) for (k, name), nodes in found.items()]
+
+
+# ---------------------------------------------------------------- units: R, its consumers C, convex
+
+
+@dataclasses.dataclass
+class Unit:
+    regions: list[Region]
+    recompute: set[fx.Node]
+    consumers: set[fx.Node]
+
+    @property
+    def nodes(self) -> set[fx.Node]:
+        return self.recompute | self.consumers
+
+
+class _Graph:
+    """Reachability helpers over one graph, in topological order."""
+
+    def __init__(self, gm: fx.GraphModule, profile: ActivationProfile):
+        self.order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self.profile = profile
+        self.by_name = {n.name: n for n in gm.graph.nodes}
+
+    def between(self, nodes: set[fx.Node]) -> set[fx.Node]:
+        """Nodes outside ``nodes`` on a path from one of them to another (what breaks convexity)."""
+        lo, hi = min(self.order[n] for n in nodes), max(self.order[n] for n in nodes)
+        down: set[fx.Node] = set()
+        stack = [u for n in nodes for u in n.users if u not in nodes]
+        while stack:
+            u = stack.pop()
+            if u in down or self.order[u] > hi:
+                continue
+            down.add(u)
+            stack.extend(u.users)
+        up: set[fx.Node] = set()
+        stack = [a for n in nodes for a in n.all_input_nodes if a not in nodes]
+        while stack:
+            a = stack.pop()
+            if a in up or self.order[a] < lo:
+                continue
+            up.add(a)
+            stack.extend(a.all_input_nodes)
+        return down & up
+
+    def savers_of(self, nodes: set[fx.Node]) -> set[fx.Node]:
+        """Nodes outside ``nodes`` that save a storage one of ``nodes`` made."""
+        made = set().union(*(self.profile.produced.get(n.name, set()) for n in nodes))
+        names = {n.name for n in nodes}
+        out = set()
+        for key in made:
+            t = self.profile.tensors.get(key)
+            if t is not None:
+                out |= {self.by_name[s] for s in t.savers - names if s in self.by_name}
+        return out
+
+
+def build_units(g: _Graph, regions: list[Region]) -> list[Unit]:
+    """Merge touching regions, make each convex, and add the consumers it can take along."""
+    groups = [[r] for r in regions]
+    merged = True
+    while merged:  # regions that share or pass a value to each other become one unit
+        merged = False
+        for i in range(len(groups)):
+            for j in range(i + 1, len(groups)):
+                a = set().union(*(r.nodes for r in groups[i]))
+                b = set().union(*(r.nodes for r in groups[j]))
+                if a & b or any(u in b for n in a for u in n.users) or any(u in a for n in b for u in n.users):
+                    groups[i] += groups.pop(j)
+                    merged = True
+                    break
+            if merged:
+                break
+    units = []
+    for group in groups:
+        r = set().union(*(x.nodes for x in group))
+        r |= g.between(r)
+        c = g.savers_of(r)
+        while c and (extra := g.between(r | c)):  # a consumer reached through outside nodes stays outside
+            c -= {n for n in c if any(a in extra or a in c for a in _ancestors_within(n, extra | c, g))}
+        units.append(Unit(group, r, c))
+    return units
+
+
+def _ancestors_within(node: fx.Node, pool: set[fx.Node], g: _Graph) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = [a for a in node.all_input_nodes if a in pool]
+    while stack:
+        a = stack.pop()
+        if a not in seen:
+            seen.add(a)
+            stack.extend(x for x in a.all_input_nodes if x in pool)
+    return seen
+
+
+def predicted_bytes(g: _Graph, units: list[Unit]) -> int:
+    """Activation bytes after recomputing ``units``, from the baseline profile (no rerun)."""
+    p = g.profile
+    recomputed = {n.name for u in units for n in u.recompute}
+    unit_of = {n.name: i for i, u in enumerate(units) for n in u.nodes}
+    keep = set(p.outputs)
+    for key, t in p.tensors.items():
+        if not t.on_device:
+            continue
+        made_in = unit_of.get(t.producer) if t.producer in recomputed else None
+        if made_in is None or any(unit_of.get(s) != made_in for s in t.savers):
+            keep.add(key)
+    for u in units:  # checkpoint keeps each region's inputs
+        made = set().union(*(p.produced.get(n.name, set()) for n in u.recompute))
+        for n in u.recompute:
+            keep |= p.uses.get(n.name, set()) - made
+    return sum(p.tensors[k].nbytes if k in p.tensors else p.sizes.get(k, 0) for k in keep)
+
+
+def recompute_flops(g: _Graph, unit: Unit) -> int:
+    """R runs once more for its own backward, and once more for its consumers' backward."""
+    flops = sum(g.profile.flops.get(n.name, 0) for n in unit.recompute)
+    return flops * (2 if unit.consumers else 1)
+
+
+def choose(g: _Graph, candidates: list[Region], budget: int) -> tuple[list[Region], int]:
+    """Greedy knapsack: the region freeing most bytes per recompute FLOP, until the budget fits."""
+    chosen: list[Region] = []
+    current = predicted_bytes(g, [])
+    while current > budget:
+        best, best_score, best_bytes = None, 0.0, current
+        spent = sum(recompute_flops(g, u) for u in build_units(g, chosen))
+        for r in candidates:
+            if r in chosen or any(r.nodes <= c.nodes for c in chosen):
+                continue
+            trial = build_units(g, [c for c in chosen if not c.nodes <= r.nodes] + [r])
+            after = predicted_bytes(g, trial)
+            score = (current - after) / (max(0, sum(recompute_flops(g, u) for u in trial) - spent) + 1)
+            if after < current and score > best_score:
+                best, best_score, best_bytes = r, score, after
+        if best is None:
+            break
+        chosen = [c for c in chosen if not c.nodes <= best.nodes] + [best]
+        current = best_bytes
+    for r in sorted(chosen, key=lambda r: -recompute_flops(g, build_units(g, [r])[0])):  # undo what isn't needed
+        rest = [c for c in chosen if c is not r]
+        if predicted_bytes(g, build_units(g, rest)) <= budget:
+            chosen = rest
+    return chosen, predicted_bytes(g, build_units(g, chosen))
+
+
+# ---------------------------------------------------------------- the pass
+
+
+def _recomputable(r: Region) -> bool:
+    """No collectives (every rank would have to re-run them in step) and no in-place ops."""
+    return not any(
+        collective_kind(n) is not None or getattr(getattr(n.target, "_schema", None), "is_mutable", False) for n in r.nodes
+    )
+
+
+def _label(regions: list[Region]) -> str:
+    return " + ".join(f"{r.kind}:{r.name}" for r in regions)
+
+
+def _outline(gm: fx.GraphModule, nodes: set[fx.Node], make, name: str, meta: dict) -> fx.Node:
+    """Replace ``nodes`` (convex) by one call_module of ``make(fused GraphModule)``."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    ordered = sorted(nodes, key=order.__getitem__)
+    sub, inputs, outputs = fuse_as_graphmodule(gm, ordered, "Unit", always_return_tuple=True)
+    name = re.sub(r"\W", "_", name)
+    while hasattr(gm, name):
+        name += "_"
+    gm.add_submodule(name, make(sub))
+    users = [u for o in outputs for u in o.users if u not in nodes]
+    first_user = min(users, key=order.__getitem__) if users else ordered[-1].next
+    last_input = max((order[i] for i in inputs), default=-1)
+    with gm.graph.inserting_before(first_user):
+        call = gm.graph.call_module(name, tuple(inputs))
+        outs = [gm.graph.call_function(__import__("operator").getitem, (call, i)) for i in range(len(outputs))]
+    call.meta.update({k: ordered[0].meta[k] for k in ("nn_module_stack", "stack_trace") if k in ordered[0].meta})
+    call.meta["moe"] = meta
+    for orig, new in zip(outputs, outs):
+        orig.replace_all_uses_with(new)
+        new.meta.update({k: v for k, v in orig.meta.items() if k != "moe"})
+        copy_moe(orig, new)
+    for n in reversed(ordered):
+        gm.graph.erase_node(n)
+    if users and last_input >= order[first_user]:  # an input comes after a user: restore topological order
+        from torch.fx.passes.tools_common import legalize_graph
+
+        legalize_graph(gm)
+    return call
+
+
+@register_pass("recompute", after="fp8")
+def recompute(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    cfg = ctx.plan.recompute
+    if not cfg.modules and not cfg.offload and cfg.budget is None:
+        ctx.decide("recompute.modules, .offload and .budget are empty: every activation is kept")
+        return PassResult(gm, False)
+    profile = profile_activations(gm.graph, gm, ctx.example_inputs)
+    g = _Graph(gm, profile)
+    baseline = profile.device_bytes
+    skipped = []
+    if cfg.budget is not None:
+        budget = cfg.budget_bytes(baseline) or 0
+        candidates = find_regions(gm, cfg.candidates)
+        skipped = [r for r in candidates if not _recomputable(r)]
+        chosen, predicted = choose(g, [r for r in candidates if _recomputable(r)], budget)
+        fits = "fits" if predicted <= budget else "does not fit even recomputing every candidate"
+        ctx.decide(f"budget {human(budget, 'B', 1024)} (recompute.budget={cfg.budget!r}, baseline "
+                   f"{human(baseline, 'B', 1024)}): chose {len(chosen)} of {len(candidates)} regions -> "
+                   f"predicted {human(predicted, 'B', 1024)}, {fits}")
+    else:
+        found = find_regions(gm, cfg.modules)
+        skipped = [r for r in found if not _recomputable(r)]
+        chosen = [r for r in found if _recomputable(r)]
+    for r in skipped:
+        ctx.decide(f"{r.kind}:{r.name} not recomputed: it holds a collective or an in-place op")
+    units = build_units(g, chosen)
+    taken = set().union(*(u.nodes for u in units)) if units else set()
+    offloads = build_units(g, [r for r in find_regions(gm, cfg.offload) if _recomputable(r) and not r.nodes & taken])
+    record = {"baseline_bytes": baseline, "predicted_bytes": predicted_bytes(g, units), "recomputed": [], "offloaded": []}
+    for u in units:
+        kinds = sorted({r.kind for r in u.regions})
+        name = "recompute_" + "_".join(kinds) + "_" + u.regions[0].name
+        _outline(gm, u.nodes, lambda sub, u=u, kinds=kinds: RecomputeRegion(sub, {n.name for n in u.recompute}, kinds),
+                 name, {"layer": u.regions[0].name, "role": Role.RECOMPUTE, "recompute": kinds})
+        flops = recompute_flops(g, u)
+        record["recomputed"].append({"regions": _label(u.regions), "nodes": len(u.recompute), "consumers": len(u.consumers), "flops": flops})
+        ctx.decide(f"recompute {_label(u.regions)}: {len(u.recompute)} nodes, {len(u.consumers)} consumers keep a "
+                   f"handle, +{human(flops)}FLOP in backward")
+    for u in offloads:
+        kinds = sorted({r.kind for r in u.regions})
+        _outline(gm, u.recompute, lambda sub, kinds=kinds: OffloadRegion(sub, cfg.offload_min_bytes, kinds),
+                 "offload_" + "_".join(kinds) + "_" + u.regions[0].name, {"layer": u.regions[0].name, "offload": kinds})
+        record["offloaded"].append({"regions": _label(u.regions), "nodes": len(u.recompute)})
+        ctx.decide(f"offload {_label(u.regions)}: saved tensors >= {cfg.offload_min_bytes} B go to host memory")
+    after = profile_activations(gm.graph, gm, ctx.example_inputs)
+    record |= {"activation_bytes": after.device_bytes, "offloaded_bytes": after.host_bytes}
+    ctx.decide(f"activations per rank {human(baseline, 'B', 1024)} -> {human(after.device_bytes, 'B', 1024)}"
+               + (f" (+{human(after.host_bytes, 'B', 1024)} on host)" if after.host_bytes else ""))
+    ctx.record(recompute=record)
+    return PassResult(gm, bool(units or offloads))
+
+
+def _regions_are_self_contained(gm: fx.GraphModule, ctx: PassContext) -> None:
+    for name, mod in gm.named_modules():
+        if isinstance(mod, RecomputeRegion):
+            for n in mod.recompute.graph.nodes:
+                assert collective_kind(n) is None, f"{name} recomputes collective {n.name}"
+
+
+register_verifier("recompute", _regions_are_self_contained)

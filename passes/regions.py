@@ -1,0 +1,189 @@
+"""The modules the ``recompute`` pass outlines graph regions into: recompute and offload.
+
+``RecomputeRegion``: a region R recomputed in backward, and its consumers C (the
+nodes outside R that save one of R's outputs for backward)::
+
+    outs_R = checkpoint(R, *inputs_R, use_reentrant=False)     # R keeps only its inputs
+    with saved_tensors_hooks(pack=handle for R's outputs, unpack=recompute R):
+        outs_C = C(*outs_R, ...)                                # C runs as before
+
+so neither R's internals nor R's outputs stay alive until backward (Megatron's
+"checkpoint without output"): R runs again, under no_grad with the forward's
+RNG state, the first time backward unpacks one of R's outputs, and inside
+``checkpoint`` for R's own backward. Values are bit-identical, so gradients are.
+
+``OffloadRegion``: the region runs under ``saved_tensors_hooks`` that copy each
+saved tensor (at least ``min_bytes``, not a parameter) to host memory — pinned,
+on a side stream, on CUDA — and copy it back when backward needs it.
+
+Both expose ``memory_region`` ("recompute" | "offload") so ``moecompile.memory``
+can account for them without running anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.passes.utils.fuser_utils import fuse_as_graphmodule
+from torch.utils.checkpoint import checkpoint
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _seeded(gm: fx.GraphModule) -> bool:
+    """Does the region draw random numbers (dropout)? Then its recompute must replay the RNG."""
+    return any(
+        n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+        for n in gm.graph.nodes
+    )
+
+
+class _Boundary:
+    """Saved-tensor hooks that keep a handle instead of R's outputs, and recompute R to unpack one."""
+
+    def __init__(self, fn: Callable, args: list[Any], rng: Any, outs: tuple):
+        self.fn, self.args, self.rng = fn, args, rng
+        self.keys = {_storage(o): i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)}
+        self.values: tuple | None = None
+
+    def pack(self, t: torch.Tensor) -> Any:
+        i = self.keys.get(_storage(t))
+        return t if i is None else (i, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        i, size, stride, offset = packed
+        if self.values is None:
+            with torch.no_grad(), _replay(self.rng):
+                self.values = self.fn(*self.args)
+        return self.values[i].as_strided(size, stride, offset)
+
+
+def _rng_state(args: list[Any]) -> Any:
+    devices = sorted({a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda})
+    return torch.get_rng_state(), [(d, torch.cuda.get_rng_state(d)) for d in devices]
+
+
+@contextlib.contextmanager
+def _replay(rng: Any):
+    if rng is None:
+        yield
+        return
+    cpu, cuda = rng
+    with torch.random.fork_rng(devices=[d for d, _ in cuda]):
+        torch.set_rng_state(cpu)
+        for d, state in cuda:
+            torch.cuda.set_rng_state(state, d)
+        yield
+
+
+class RecomputeRegion(nn.Module):
+    """A recomputed region and its consumers, outlined from the graph (see the module doc)."""
+
+    memory_region = "recompute"
+
+    def __init__(self, unit: fx.GraphModule, recompute: set[str], kinds: list[str]):
+        super().__init__()
+        self.kinds = list(kinds)
+        nodes = [n for n in unit.graph.nodes if n.op not in ("placeholder", "output")]
+        r_nodes = [n for n in nodes if n.name in recompute]
+        c_nodes = [n for n in nodes if n.name not in recompute]
+        self.recompute, r_in, r_out = fuse_as_graphmodule(unit, r_nodes, "Recompute", always_return_tuple=True)
+        self._in = [n.name for n in unit.graph.nodes if n.op == "placeholder"]
+        self._r_in, self._r_out = [n.name for n in r_in], [n.name for n in r_out]
+        self.consumers = None
+        self._c_in: list[str] = []
+        self._c_out: list[str] = []
+        if c_nodes:
+            self.consumers, c_in, c_out = fuse_as_graphmodule(unit, c_nodes, "Consumers", always_return_tuple=True)
+            self._c_in, self._c_out = [n.name for n in c_in], [n.name for n in c_out]
+        out = unit.graph.output_node().args[0]
+        self._out = [n.name for n in (out if isinstance(out, (tuple, list)) else (out,))]
+        self._seeded = _seeded(self.recompute)
+
+    def run_parts(self, args: tuple, run_r: Callable, run_c: Callable) -> tuple:
+        """Wire the two parts; ``run_r(gm_r, args)`` and ``run_c(gm_c, args, gm_r, r_args, rng, r_outs)`` run them."""
+        env = dict(zip(self._in, args))
+        r_args = [env[n] for n in self._r_in]
+        rng = _rng_state(r_args) if self._seeded and self.consumers is not None else None
+        r_out = run_r(self.recompute, r_args)
+        env.update(zip(self._r_out, r_out))
+        if self.consumers is not None:
+            c_args = [env[n] for n in self._c_in]
+            env.update(zip(self._c_out, run_c(self.consumers, c_args, self.recompute, r_args, rng, r_out)))
+        return tuple(env[n] for n in self._out)
+
+    def forward(self, *args: Any) -> tuple:
+        return self.run_parts(args, _checkpointed, _bounded)
+
+
+def _checkpointed(gm: fx.GraphModule, args: list[Any]) -> tuple:
+    return checkpoint(gm, *args, use_reentrant=False)
+
+
+def _bounded(gm: fx.GraphModule, args: list[Any], gm_r: fx.GraphModule, r_args: list[Any], rng: Any, r_out: tuple) -> tuple:
+    boundary = _Boundary(gm_r, r_args, rng, r_out)
+    with torch.autograd.graph.saved_tensors_hooks(boundary.pack, boundary.unpack):
+        return gm(*args)
+
+
+class OffloadRegion(nn.Module):
+    """A region whose saved activations live in host memory between forward and backward."""
+
+    memory_region = "offload"
+
+    def __init__(self, graph_module: fx.GraphModule, min_bytes: int, kinds: list[str]):
+        super().__init__()
+        self.graph_module, self.min_bytes, self.kinds = graph_module, min_bytes, list(kinds)
+
+    def forward(self, *args: Any) -> Any:
+        packed: dict[tuple, Any] = {}  # one host copy per saved view, however many ops save it
+
+        def pack(t: torch.Tensor) -> Any:
+            if t.numel() * t.element_size() < self.min_bytes or _is_parameter(t):
+                return t
+            key = (_storage(t), t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+            if key not in packed:
+                packed[key] = _to_host(t)
+            return packed[key]
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _from_host):
+            return self.graph_module(*args)
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad
+
+
+_STREAMS: dict[int, Any] = {}
+
+
+def _to_host(t: torch.Tensor) -> Any:
+    if not t.is_cuda:  # on CPU "host" is the same memory: a copy keeps the code path honest
+        return ("host", t.device, t.detach().clone(), None)
+    stream = _STREAMS.setdefault(t.device.index or 0, torch.cuda.Stream(t.device))
+    host = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, pin_memory=True)
+    stream.wait_stream(torch.cuda.current_stream(t.device))
+    with torch.cuda.stream(stream):
+        host.copy_(t, non_blocking=True)
+        t.record_stream(stream)  # the allocator must not reuse t's memory before the copy ends
+        done = stream.record_event()
+    return ("host", t.device, host, done)
+
+
+def _from_host(packed: Any) -> torch.Tensor:
+    if isinstance(packed, torch.Tensor):
+        return packed
+    _tag, device, host, done = packed
+    if done is None:
+        return host
+    torch.cuda.current_stream(device).wait_event(done)
+    return host.to(device, non_blocking=True)
