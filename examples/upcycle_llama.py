@@ -11,36 +11,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import pathlib
 import time
 
 import torch
 import transformers
 
 import moecompile as mc
+from moecompile.data import batches, stdlib_bytes
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
-
-
-def stdlib_bytes(limit: int = 2_000_000) -> torch.Tensor:
-    """Bytes of Python's own source files: real text, available offline."""
-    root = pathlib.Path(logging.__file__).parent.parent
-    chunks, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= limit:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:limit]), dtype=torch.uint8).long()
-
-
-def batches(data: torch.Tensor, batch: int, seq: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
-        window = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
-        yield window[:, :-1], window[:, 1:]
 
 
 def main() -> None:

@@ -230,18 +230,24 @@ def split_static_regions(gm: fx.GraphModule, dynamic: Callable[[fx.Node], bool] 
     """``gm`` as a chain of submodules ``static_i`` / ``dynamic_i``, called like ``gm``.
 
     Parameters stay the same objects (read by get_attr inside each submodule), so the
-    optimizer and checkpoints see no difference. Node runs are cut where the dynamic flag flips.
+    optimizer and checkpoints see no difference. A layer's dynamic region spans its first to
+    its last dynamic node (with any unsafe node the scan finds); the rest is static.
     """
     from torch.fx.passes.split_module import split_module
 
     unsafe = {f.node for f in scan_graph(gm.graph)}
+    order = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    spans: dict[str, list[int]] = {}  # per layer: first and last dynamic node; all between stays eager
+    for i, n in enumerate(order):
+        if dynamic(n) or n.name in unsafe:
+            span = spans.setdefault(n.meta.get("moe", {}).get("layer", n.name), [i, i])
+            span[1] = i
+    eager = {i for lo, hi in spans.values() for i in range(lo, hi + 1)}
     part: dict[fx.Node, int] = {}
     kinds: dict[int, str] = {}
     index, prev = -1, None
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "output", "get_attr"):
-            continue
-        kind = "dynamic" if (dynamic(n) or n.name in unsafe) else "static"
+    for i, n in enumerate(order):
+        kind = "dynamic" if i in eager else "static"
         if kind != prev:
             index, prev = index + 1, kind
             kinds[index] = kind

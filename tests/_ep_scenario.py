@@ -89,3 +89,11 @@ def ep4_worker(rank: int, world_size: int, ckpt: str, eps: tuple[int, ...]) -> d
 def four_ranks_from_checkpoint(ckpt: Path, eps: tuple[int, ...]) -> list[dict]:
     """Load ``ckpt`` on 4 ranks at each ep in ``eps`` and take one step."""
     return run(ep4_worker, 4, (str(ckpt), tuple(eps)), timeout=400)
+
+
+@functools.lru_cache(maxsize=None)
+def ep1_reference() -> tuple[Any, Any, list[dict]]:
+    """The same run in one process on the whole global batch: (dense, result, metrics of STEPS + 1 steps)."""
+    stream = data()
+    dense, result, step = make_step({"experts": EXPERTS}, GLOBAL_BATCH)
+    return dense, result, [_metrics(step(stream[i])) for i in range(STEPS + 1)]

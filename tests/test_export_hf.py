@@ -87,3 +87,18 @@ def test_needs_the_source_config_and_a_known_arch(tmp_path, llama, ids):
         export_hf(result, tmp_path)
     with pytest.raises(ExportError, match="unknown arch 'deepseek'"):
         export_hf(result, tmp_path, arch="deepseek", config=llama.config)
+
+
+@pytest.mark.distributed
+def test_an_ep2_model_exports_with_every_expert_gathered():
+    from transformers import AutoModelForCausalLM
+
+    from _ep_scenario import ep1_reference, ep2_results
+
+    out, _ = ep2_results()
+    _, result, _ = ep1_reference()  # the same run in one process
+    hf = AutoModelForCausalLM.from_pretrained(out / "hf")
+    assert hf.model.layers[0].mlp.experts.gate_up_proj.shape[0] == 4  # both ranks' experts
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, result.module(ids).logits, rtol=1e-4, atol=1e-4)

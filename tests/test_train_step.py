@@ -126,3 +126,40 @@ def test_bad_optimizer_and_batch_are_clear_errors(data):
         step(data[0][0])
     with pytest.raises(mc.MoecompileError, match="precision"):
         mc.build_train_step(result, precision="fp8")
+
+
+# ---------------------------------------------------------------- expert parallel (spawned ranks)
+
+
+@pytest.mark.distributed
+def test_ep2_matches_ep1_step_for_step():
+    """Same global batch, seed and init: ep=2 (alltoall, dropless) tracks ep=1 over several optimizer steps."""
+    from _ep_scenario import ep1_reference, ep2_results
+
+    _, ranks = ep2_results()
+    _, _, ref = ep1_reference()
+    for r in ranks:
+        got = [*r["metrics"], r["after"]]
+        assert len(got) == len(ref) == 4
+        for i, (a, b) in enumerate(zip(got, ref)):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (i, a["loss"], b["loss"])
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), i  # global norm over shards
+            assert a["load"] == b["load"] and a["tokens"] == b["tokens"] == BATCH * SEQ, i
+        assert r["expert_shapes"]["model.layers.0.mlp.experts.w_gate_up"] == (2, 128, 32)  # 4 experts / ep 2
+        assert r["collectives"] == 1  # all dense grads in one bucket; edp = 1 leaves experts local
+
+
+@pytest.mark.distributed
+def test_ep2_expert_bias_follows_the_global_load():
+    from _ep_scenario import ep2_results
+
+    _, ranks = ep2_results()
+    a, b = ranks
+    for layer in a["static_biases"]:
+        assert torch.equal(a["static_biases"][layer], b["static_biases"][layer])  # replicated, never diverges
+        want = torch.zeros(4)
+        for m in a["static_metrics"]:
+            load = torch.tensor(m["load"][layer], dtype=torch.float32)
+            want += 0.01 * torch.sign(load.mean() - load)
+        torch.testing.assert_close(a["static_biases"][layer], want)
+    assert a["static_metrics"][0]["load"] == b["static_metrics"][0]["load"]  # both report the global load
