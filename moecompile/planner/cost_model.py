@@ -12,7 +12,7 @@ The model, per micro-batch and rank (T tokens of the micro-batch, /tp with seque
   latency per exchange; forward dispatch + combine and their backward mirrors.
 - overlap: with the overlap pass's N chunks the MoE block runs as a 3-stage pipeline
   (dispatch, experts, combine): (d + c + b)/N + (N-1)/N * max(c, d + b); what exceeds the expert
-  compute c is exposed. Megatron's 1F1B overlap ("1f1b", validation only) hides a layer's
+  compute c (and the shared experts, which are independent of the exchange) is exposed. Megatron's 1F1B overlap ("1f1b", validation only) hides a layer's
   exchanges behind the other micro-batch's whole layer.
 - tensor/pipeline parallelism (validation only; moecompile has no TP/PP pass): sequence-parallel
   all-gather + reduce-scatter per attention / dense MLP, and the interleaved-1F1B bubble
@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from ..costs import human
 from .cluster import GiB, Cluster, Span
 from .profile import LayerProfile, ModelProfile, NodeCost
 
@@ -219,11 +220,14 @@ def _exchange(cluster: Cluster, payload: float, size: int, stride: int = 1) -> t
 
 
 def _ring(cluster: Cluster, nbytes: float, size: int, stride: int, passes: float) -> float:
-    """A ring collective moving ``passes`` x (size-1)/size x nbytes through the slowest link it crosses."""
+    """A reduction over ``size`` ranks: ``passes`` x (size-1)/size x nbytes through the slowest link it
+    crosses (ring bandwidth), plus 2 log2(size) latencies (tree latency, as NCCL picks for small sizes)."""
+    import math
+
     if size <= 1 or nbytes <= 0:
         return 0.0
     link = cluster.link(cluster.span(size, stride))
-    return passes * (size - 1) / size * nbytes / link.bandwidth + 2 * (size - 1) * link.latency
+    return passes * (size - 1) / size * nbytes / link.bandwidth + 2 * math.ceil(math.log2(size)) * link.latency
 
 
 def _pipe(d: float, c: float, b: float, n: int, latency: float) -> float:
@@ -268,11 +272,12 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
                 layer_fb = lt["total"] * (1 + BACKWARD_FACTOR)
                 exposed = max(0.0, 4 * t - layer_fb) + count_x
             elif cand.overlap_chunks:
-                n = cand.overlap_chunks
-                c = lt["experts"] + (lt["shared"] if cand.overlap_shared else 0.0)
-                exposed = _pipe(t, c, t, n, lat) - c + count_x
+                n, c = cand.overlap_chunks, lt["experts"]
+                s = lt["shared"] if cand.overlap_shared else 0.0  # independent: fills any exchange gap
+                exposed = max(0.0, _pipe(t, c, t, n, lat) - c - s) + count_x
                 if cand.overlap_backward:
-                    exposed += _pipe(t, BACKWARD_FACTOR * c, t, n, lat) - BACKWARD_FACTOR * c
+                    f = BACKWARD_FACTOR
+                    exposed += max(0.0, _pipe(t, f * c, t, n, lat) - f * c - f * s)
                 else:
                     exposed += 2 * t
             else:
@@ -285,11 +290,10 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
 
     bwd = BACKWARD_FACTOR * fwd
     per_mb = (fwd + bwd + rc + a2a_exposed + tp_comm) / pp
-    pc = cluster.peak(False) / 1e12
-    terms.append(Term("forward", m * fwd / pp, f"{m:g} micro-batches x {fwd / pp * 1e3:.2f} ms: per op max(FLOPs / "
-                      f"{pc:.0f} TFLOP/s, bytes / {cluster.memory_bandwidth / 1e12:.2f} TB/s)"
+    terms.append(Term("forward", m * fwd / pp, f"{m:g} micro-batches x {fwd / pp * 1e3:.3g} ms: per op max(FLOPs / "
+                      f"{human(cluster.peak(False), 'FLOP/s')}, bytes / {human(cluster.memory_bandwidth, 'B/s')})"
                       + (f" + {cluster.op_overhead_s * 1e6:.1f} us" if cluster.op_overhead_s else "")
-                      + (f", FP8 GEMMs at {cluster.peak(True) / 1e12:.0f}" if (times.fp8 or _has_fp8(profile)) else "")
+                      + (f", FP8 GEMMs at {human(cluster.peak(True), 'FLOP/s')}" if (times.fp8 or _has_fp8(profile)) else "")
                       + (f", /tp {tp}" if tp > 1 else "") + (f", /pp {pp}" if pp > 1 else "")))
     terms.append(Term("backward", m * bwd / pp, f"{BACKWARD_FACTOR:g} x forward"))
     if rc:
@@ -328,7 +332,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
     t_dp = t_dense + t_exp
     hideable = bwd / pp if cand.grad_sync_overlap else 0.0
     terms.append(Term("gradient sync", max(0.0, t_dp - hideable),
-                      f"dense {dense_p / 1e9:.2f} B params over dp={dp}, experts {expert_p / 1e9:.2f} B over edp={edp}, "
+                      f"dense {human(dense_p)} params over dp={dp}, experts {human(expert_p)} over edp={edp}, "
                       f"{'reduce-scatter + all-gather' if cand.distributed_optimizer else 'all-reduce'}"
                       + (", overlapped with the last backward" if cand.grad_sync_overlap else "")))
     params_rank = dense_p + expert_p
@@ -336,7 +340,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
     per_param = 2 * (4 + ADAMW_STATE_BYTES) + gbytes + profile.elem_bytes
     opt_bytes = params_rank * per_param / (dp if cand.distributed_optimizer else 1)
     terms.append(Term("optimizer", opt_bytes / cluster.memory_bandwidth,
-                      f"AdamW streams {opt_bytes / 1e9:.1f} GB at {cluster.memory_bandwidth / 1e12:.2f} TB/s"))
+                      f"AdamW streams {human(opt_bytes, 'B')} at {human(cluster.memory_bandwidth, 'B/s')}"))
 
     step = sum(t.value for t in terms if t.counted)
     memory = _memory(profile, cluster, cand, params_rank)
@@ -358,7 +362,7 @@ def _memory(profile: ModelProfile, cluster: Cluster, cand: Candidate, params_ran
         how = f"grad {e} + fp32 master {master} + AdamW {ADAMW_STATE_BYTES}"
     act = profile.activation_bytes * cand.micro_batch / profile.micro_batch / cand.tp
     return [
-        Term("params", params_rank * e, f"{params_rank / 1e9:.2f} B elements x {e} B (experts / ep={cand.ep})"),
+        Term("params", params_rank * e, f"{human(params_rank)} elements x {e} B (experts / ep={cand.ep})"),
         Term("grads+optimizer", params_rank * state, f"{state:g} B per parameter ({how})"),
         Term("activations", act, f"kept for backward, micro-batch {cand.micro_batch} ({profile.memory_source})"),
     ]

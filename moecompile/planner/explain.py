@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..costs import human
 from .cluster import GiB
 from .cost_model import Estimate
 
 
 def _ms(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:,.1f} us"
     return f"{s * 1e3:,.1f} ms" if s < 10 else f"{s:,.2f} s"
 
 
@@ -22,7 +25,7 @@ def table(report: Any, top: int = 5) -> str:
         lines += ["plans that fit (fastest first):", head]
         for i, e in enumerate(report.ranked[:top], 1):
             lines.append(f"{i:>2}  {e.candidate.describe():<58} {_ms(e.step_s):>10} {e.tokens_per_s_per_gpu:>10,.0f} "
-                         f"{e.tflops_per_gpu:>11,.0f} {e.memory_bytes / GiB:>7.1f} G")
+                         f"{e.tflops_per_gpu:>11,.1f} {human(e.memory_bytes, 'B', 1024):>9}")
         lines.append("")
         lines.append("breakdown of #1: " + ", ".join(f"{t.name} {_ms(t.value)}" for t in report.ranked[0].terms
                                                     if t.counted and t.value > 0))
@@ -57,8 +60,8 @@ def explain(est: Estimate) -> str:
                  f"{est.tflops_per_gpu:,.0f} model TFLOP/s/GPU")
     lines.append("memory per rank:")
     for t in est.memory:
-        lines.append(f"  {t.name:<{width}} {t.value / GiB:>9.2f} GiB  {t.detail}")
+        lines.append(f"  {t.name:<{width}} {human(t.value, 'B', 1024):>11}  {t.detail}")
     verdict = "fits" if est.fits else "does NOT fit"
-    lines.append(f"  {'= total':<{width}} {est.memory_bytes / GiB:>9.2f} GiB  {verdict} in "
+    lines.append(f"  {'= total':<{width}} {human(est.memory_bytes, 'B', 1024):>11}  {verdict} in "
                  f"{c.usable_memory / GiB:.1f} GiB usable")
     return "\n".join(lines)

@@ -128,8 +128,8 @@ class ModelProfile:
 
     def summary(self) -> str:
         return (f"{self.name}: {self.num_layers} layers ({self.moe_layers} MoE, E={self.num_experts} top-{self.top_k}), "
-                f"{(self.dense_params + self.expert_params) / 1e9:.1f} B params ({self.expert_params / 1e9:.1f} B in "
-                f"experts), {self.flops_per_token / 1e9:.1f} GFLOP/token forward at seq {self.seq_len}")
+                f"{costs.human(self.dense_params + self.expert_params)} params ({costs.human(self.expert_params)} in "
+                f"experts), {costs.human(self.flops_per_token, 'FLOP')}/token forward at seq {self.seq_len}")
 
 
 # --- configs ---------------------------------------------------------------------------------------
@@ -273,37 +273,94 @@ def _category(node: fx.Node, path: str, role: str, tags: frozenset[str], flops: 
     return "other"
 
 
-def node_costs(graph: fx.Graph) -> list[tuple[fx.Node, NodeCost]]:
+def node_costs(gm: fx.GraphModule) -> list[tuple[fx.Node, NodeCost]]:
     """Every op of a forward graph with its FLOPs (``costs.node_flops``), bytes moved and category.
 
-    Collectives are left out (the cost model prices communication from the plan).
+    Regions the recompute pass outlined (``memory_region`` modules) are walked into; the ops of
+    a recomputed part are marked ``recomputed``. Collectives are left out (the cost model prices
+    communication from the plan).
     """
-    out = []
-    for node in graph.nodes:
-        if node.op != "call_function" or _is_view(node) or costs.collective_kind(node) is not None:
-            continue
-        name = _op_name(node)
-        if name in _NOT_WORK or "sym_" in name:
-            continue
-        flops = float(costs.node_flops(node) or 0)
-        out_b = costs.tensor_bytes(node.meta.get("val")) or 0
-        weights = 0.0
-        if name in _GATHERS:
-            moved = 2 * out_b
-        else:
-            moved = out_b
-            for a in node.all_input_nodes:
-                v = a.meta.get("val")
-                size = (costs.tensor_bytes(v) or 0) if isinstance(v, torch.Tensor) else 0
-                moved += size
-                weights += size if a.op == "get_attr" else 0
-        path = module_path(node)
-        role = str(node.meta.get("moe", {}).get("role") or "")
-        tags = _tags(path, role)
-        fp8 = "scaled_mm" in name or "fp8" in name
-        out.append((node, NodeCost(flops, float(moved), _category(node, path, role, tags, flops), tags, fp8,
-                                   costs.is_recomputed(node), float(weights))))
+    out: list[tuple[fx.Node, NodeCost]] = []
+    # Rows each MoE layer's permute hands on: with expert parallelism the rows an expert rank
+    # receives are data-dependent; with balanced routing it receives what it sends.
+    layer_rows = getattr(costs, "layer_rows", None)
+    rows = layer_rows(gm.graph) if layer_rows else {}
+    _walk(gm, gm.graph, None, False, out, rows)
     return out
+
+
+def _measure(fn: Any, node: fx.Node, rows_of: dict[str, int], *args: Any) -> Any:
+    """``fn(*args)``; for a data-dependent size, again with the layer's balanced-routing rows."""
+    value = fn(*args)
+    if value is None:
+        rows = rows_of.get((node.meta.get("moe") or {}).get("layer"))
+        if rows is not None:
+            try:
+                value = fn(*args, rows)
+            except TypeError:  # a costs.py without the rows argument
+                value = None
+    return value
+
+
+def _walk(root: torch.nn.Module, graph: fx.Graph, weight_inputs: list[bool] | None, recomputed: bool,
+          out: list[tuple[fx.Node, NodeCost]], rows: dict[str, int]) -> None:
+    """Cost ``graph``'s ops into ``out``; ``weight_inputs`` flags which placeholders carry parameters."""
+    weights_in: set[fx.Node] = set()
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if weight_inputs is not None:
+        weights_in = {p for p, w in zip(placeholders, weight_inputs) if w}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            weights_in.add(node)
+        elif node.op == "call_module":
+            _walk_region(root, node, weights_in, recomputed, out, rows)
+        elif node.op == "call_function":
+            nc = _node_cost(node, weights_in, recomputed, rows)
+            if nc is not None:
+                out.append((node, nc))
+
+
+def _walk_region(root: torch.nn.Module, node: fx.Node, weights_in: set[fx.Node], recomputed: bool,
+                 out: list[tuple[fx.Node, NodeCost]], rows: dict[str, int]) -> None:
+    module = root.get_submodule(str(node.target))
+    args = [a in weights_in for a in node.args]
+    kind = getattr(module, "memory_region", None)
+    if kind == "recompute":  # passes/regions.py: the recomputed part R and its consumers C
+        unit = dict(zip(module._in, args))
+        _walk(module.recompute, module.recompute.graph, [unit.get(n, False) for n in module._r_in], True, out, rows)
+        if module.consumers is not None:
+            _walk(module.consumers, module.consumers.graph, [unit.get(n, False) for n in module._c_in], recomputed,
+                  out, rows)
+    elif kind == "offload":
+        _walk(module.graph_module, module.graph_module.graph, args, recomputed, out, rows)
+    elif isinstance(module, fx.GraphModule):
+        _walk(module, module.graph, args, recomputed, out, rows)
+
+
+def _node_cost(node: fx.Node, weights_in: set[fx.Node], recomputed: bool, rows: dict[str, int]) -> NodeCost | None:
+    if _is_view(node) or costs.collective_kind(node) is not None:
+        return None
+    name = _op_name(node)
+    if name in _NOT_WORK or "sym_" in name:
+        return None
+    flops = float(_measure(costs.node_flops, node, rows, node) or 0)
+    out_b = _measure(costs.tensor_bytes, node, rows, node.meta.get("val")) or 0
+    weights = 0.0
+    if name in _GATHERS:
+        moved = 2 * out_b
+    else:
+        moved = out_b
+        for a in node.all_input_nodes:
+            v = a.meta.get("val")
+            size = (_measure(costs.tensor_bytes, node, rows, v) or 0) if isinstance(v, torch.Tensor) else 0
+            moved += size
+            weights += size if a in weights_in else 0
+    path = module_path(node)
+    role = str(node.meta.get("moe", {}).get("role") or "")
+    tags = _tags(path, role)
+    fp8 = "scaled_mm" in name or "fp8" in name
+    return NodeCost(flops, float(moved), _category(node, path, role, tags, flops), tags, fp8,
+                    recomputed or costs.is_recomputed(node), float(weights))
 
 
 def _layer_of(path: str) -> int | None:
@@ -312,9 +369,8 @@ def _layer_of(path: str) -> int | None:
 
 
 def _split(result: Any) -> dict[int | None, list[tuple[fx.Node, NodeCost]]]:
-    graph = result.history[-1].graph
     groups: dict[int | None, list] = {}
-    for node, nc in node_costs(graph):
+    for node, nc in node_costs(result.module):
         groups.setdefault(_layer_of(module_path(node)), []).append((node, nc))
     return groups
 

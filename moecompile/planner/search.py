@@ -16,7 +16,7 @@ import dataclasses
 import itertools
 from typing import Any, Callable
 
-from ..errors import MoecompileError
+from ..errors import MoecompileError, PlanError
 from ..plan import Plan
 from .cluster import Cluster
 from .cost_model import Candidate, Estimate, estimate
@@ -128,6 +128,7 @@ def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, spa
         skipped.append(f"overlap chunks {list(overlap_chunks)}: Plan has no 'overlap' section to hold them")
         overlap_chunks = ()
     out: list[Candidate] = []
+    ruled_out: dict[str, list[str]] = {}
     for ep in eps:
         comm = [("alltoall", "dropless", None)]
         if ep > 1:
@@ -136,8 +137,19 @@ def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, spa
         chunk_opts = [0] + [c for c in overlap_chunks if ep > 1]
         for (disp, mode, cf), chunks, rc, fp8, mb in itertools.product(
                 comm, chunk_opts, space.recompute_sets, space.fp8_recipes, mbs):
-            plan = Plan.from_dict(_plan_dict(base or {}, experts, ep, disp, mode, cf, rc, fp8, chunks))
-            out.append(Candidate(plan, micro_batch=mb, overlap_chunks=chunks))
+            try:
+                plan = Plan.from_dict(_plan_dict(base or {}, experts, ep, disp, mode, cf, rc, fp8, chunks))
+            except PlanError as e:  # a rule between sections rules the combination out
+                combo = f"ep={ep} {disp} {mode}" + (f" overlap x{chunks}" if chunks else "")
+                ruled_out.setdefault(str(e), [])
+                if combo not in ruled_out[str(e)]:
+                    ruled_out[str(e)].append(combo)
+                continue
+            ov = getattr(plan, "overlap", None)
+            out.append(Candidate(plan, micro_batch=mb, overlap_chunks=chunks,
+                                 overlap_shared=bool(chunks and ov is not None and ov.shared_expert),
+                                 overlap_backward=bool(chunks and ov is not None and ov.backward)))
+    skipped += [f"{', '.join(combos)}: {why}" for why, combos in ruled_out.items()]
     return out, skipped
 
 
