@@ -18,11 +18,12 @@ from ..errors import PlanError
 from .cuda_graph import CudaGraphConfig
 from .experts import ExpertsConfig
 from .fp8 import FP8Config
+from .overlap import OverlapConfig
 from .parallel import ParallelConfig
 from .recompute import RecomputeConfig
 from .section import Section
 
-__all__ = ["Plan", "CudaGraphConfig", "ExpertsConfig", "FP8Config", "ParallelConfig", "RecomputeConfig", "Section"]
+__all__ = ["Plan", "CudaGraphConfig", "ExpertsConfig", "FP8Config", "OverlapConfig", "ParallelConfig", "RecomputeConfig", "Section"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Plan:
 
     experts: ExpertsConfig = dataclasses.field(default_factory=ExpertsConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    overlap: OverlapConfig = dataclasses.field(default_factory=OverlapConfig)
     fp8: FP8Config = dataclasses.field(default_factory=FP8Config)
     recompute: RecomputeConfig = dataclasses.field(default_factory=RecomputeConfig)
     cuda_graph: CudaGraphConfig = dataclasses.field(default_factory=CudaGraphConfig)
@@ -49,6 +51,7 @@ class Plan:
         """Rules that span sections live here; per-section rules live in the section."""
         self.parallel.check_against(self.experts)
         self.cuda_graph.check_against(self.parallel)
+        self.overlap.check_against(self.parallel)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> "Plan":
