@@ -26,15 +26,22 @@ torch: the CPU path and the test oracle) and a Triton body in
 runs (CUDA -> Triton, CPU -> reference, `MOECOMPILE_KERNELS=triton|reference`
 or `backend.use(...)` forces one), so call sites never branch on what is installed.
 """
-from . import async_a2a, backend  # noqa: F401  (async_a2a: moecompile::a2a_start / a2a_wait)
-from .ep_ops import sort_chunks, sort_chunks_ref
-from .fp8_quantize import dequantize_fp8, quantize_fp8, quantize_fp8_ref
-from .glu import glu, glu_ref
-from .grouped_mm import grouped_mm, grouped_mm_ref
-from .grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_ref
-from .permute import permute, permute_ref
-from .route import route, route_ref
-from .unpermute import unpermute, unpermute_ref
+if __name__ == "moecompile.kernels":
+    from . import async_a2a, backend  # noqa: F401  (async_a2a: moecompile::a2a_start / a2a_wait)
+    from .ep_ops import sort_chunks, sort_chunks_ref
+    from .fp8_quantize import dequantize_fp8, quantize_fp8, quantize_fp8_ref
+    from .glu import glu, glu_ref
+    from .grouped_mm import grouped_mm, grouped_mm_ref
+    from .grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_ref
+    from .permute import permute, permute_ref
+    from .route import route, route_ref
+    from .unpermute import unpermute, unpermute_ref
+else:
+    # Run from the repository root, this folder shadows any top-level package named `kernels`:
+    # transformers probes for Hugging Face's `kernels` and would import this one, defining every
+    # op a second time. Under any name but moecompile.kernels it is an empty shell, and no
+    # __file__ is how that probe recognises a shadowing folder rather than a real install.
+    __file__ = None  # type: ignore[assignment]
 
 __all__ = [
     "backend",
