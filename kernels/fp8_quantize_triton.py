@@ -8,7 +8,7 @@ Legend: Bt batch of matrices, R rows, C columns, B block (see kernels/fp8_quanti
     tensorwise    two launches: tile amaxes atomic_max'ed into amax[Bt], then the cast
 
 Same arithmetic as the reference (IEEE divisions via tl.div_rn), so q and the
-scales match it bit for bit.
+scales match it bit for bit. On a GPU, float8 needs sm89+ (Ada, Hopper).
 """
 import triton
 import triton.language as tl
