@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import moecompile as mc
 from moecompile.errors import MoecompileError
+from moecompile.planner.search import TIE
 from moecompile.planner import (Candidate, Cluster, Link, SearchSpace, enumerate_candidates, estimate, legal_ep_sizes,
                                 plan_for, preset, profile_config)
 
@@ -103,7 +104,7 @@ def test_plans_that_cannot_fit_are_rejected_with_the_reason(tiny_profile):
     for est, why in report.rejected:
         assert not est.fits and why.startswith("needs ") and "GiB usable" in why and "activations" in why
     steps = [e.step_s for e in report.ranked]
-    assert steps == sorted(steps)
+    assert steps[0] <= min(steps) * (1 + TIE)  # fastest first (ties within TIE go to the simpler plan)
 
 
 def test_nothing_fits_raises_with_the_reasons(tiny_profile):

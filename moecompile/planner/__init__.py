@@ -13,7 +13,7 @@ zoo name or a config.json path), traced through its dense equivalent on the meta
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import MoecompileError
 from .cluster import Cluster, Link, preset, preset_names
@@ -29,11 +29,13 @@ __all__ = [
 
 
 def plan_for(model_or_config: Any, cluster: Cluster | str, *, global_batch: int, seq_len: int | None = None,
-             gpus: int | None = None, experts: dict | None = None, space: SearchSpace | None = None) -> PlanReport:
+             gpus: int | None = None, experts: dict | None = None, space: SearchSpace | None = None,
+             progress: Callable[[str], None] | None = None) -> PlanReport:
     """Rank the plans that fit ``cluster`` for ``global_batch`` sequences of ``seq_len`` tokens.
 
     ``cluster`` is a Cluster or a preset name (``h100``, ``h200``, ``gb200``; ``gpus`` sets its size).
     ``experts`` makes a dense config MoE (and overrides fields of an MoE config's experts plan).
+    ``progress`` is told about each graph variant as it is traced (they take seconds each).
     """
     if isinstance(cluster, str):
         cluster = preset(cluster, gpus)
@@ -54,15 +56,22 @@ def plan_for(model_or_config: Any, cluster: Cluster | str, *, global_batch: int,
     else:
         if seq_len is None:
             raise MoecompileError("seq_len is needed to trace a config (e.g. seq_len=4096)")
+        say = progress or (lambda msg: None)
+        say(f"tracing {model_or_config} at seq {seq_len} on the meta device")
         base = profile_config(model_or_config, seq_len=seq_len, experts=experts)
         start = {}
+        seen: set[str] = set()
 
         def profile_for(cand: Candidate) -> ModelProfile:
             sections = iter_sections(cand)
             if not sections:
                 return base
+            key = repr(sorted(sections.items()))
+            if key not in seen:
+                seen.add(key)
+                say(f"tracing the variant {sections}")
             return profile_config(model_or_config, seq_len=seq_len, experts=experts, sections=sections)
-    return search(profile_for, base.plan.experts.to_dict(), cluster, global_batch, space, start)
+    return search(profile_for, base.plan.experts.to_dict(), cluster, global_batch, space, start, baseline=base)
 
 
 def _pin(space: SearchSpace, plan: Any, micro_batch: int) -> SearchSpace:

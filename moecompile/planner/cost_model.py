@@ -352,7 +352,17 @@ def _has_fp8(profile: ModelProfile) -> bool:
     return any(nc.fp8 for lp in profile.layers for nc in lp.nodes)
 
 
-def _memory(profile: ModelProfile, cluster: Cluster, cand: Candidate, params_rank: float) -> list[Term]:
+def params_per_rank(profile: ModelProfile, cand: Candidate) -> float:
+    """Parameter elements one rank holds: dense / (tp x pp), experts / (ep x pp)."""
+    return profile.dense_params / (cand.tp * cand.pp) + profile.expert_params / (cand.ep * cand.pp)
+
+
+def static_memory(profile: ModelProfile, cand: Candidate) -> float:
+    """Bytes of parameters, gradients and optimizer state per rank (no activations)."""
+    return sum(t.value for t in _memory(profile, None, cand, params_per_rank(profile, cand)) if t.name != "activations")
+
+
+def _memory(profile: ModelProfile, cluster: Cluster | None, cand: Candidate, params_rank: float) -> list[Term]:
     e = profile.elem_bytes
     if profile.param_state_ratio is not None:
         state, how = profile.param_state_ratio * e, "moecompile.memory estimator"

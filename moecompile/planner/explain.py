@@ -33,8 +33,14 @@ def table(report: Any, top: int = 5) -> str:
         lines.append("no plan fits in memory.")
     if report.rejected:
         lines += ["", f"rejected ({len(report.rejected)}; closest to fitting first):"]
-        for e, why in report.rejected[:3]:
+        shown: set[str] = set()
+        for e, why in report.rejected:
+            if why in shown:
+                continue
+            shown.add(why)
             lines.append(f"    {e.candidate.describe()}: {why}")
+            if len(shown) == 3:
+                break
     if report.skipped:
         lines += ["", "not enumerated:"] + [f"    {s}" for s in report.skipped[:8]]
         if len(report.skipped) > 8:

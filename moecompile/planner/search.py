@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ..errors import MoecompileError, PlanError
 from ..plan import Plan
 from .cluster import Cluster
-from .cost_model import Candidate, Estimate, estimate
+from .cost_model import Candidate, Estimate, estimate, static_memory
 from .profile import ModelProfile
 
 RECOMPUTE_SETS: tuple[tuple[str, ...], ...] = ((), ("moe_act", "layernorm"), ("moe",), ("moe", "attention"))
@@ -193,22 +193,40 @@ class PlanReport:
 
 
 def search(profile_for: Callable[[Candidate], ModelProfile], experts: dict, cluster: Cluster, global_batch: int,
-           space: SearchSpace | None = None, base: dict | None = None) -> PlanReport:
+           space: SearchSpace | None = None, base: dict | None = None,
+           baseline: ModelProfile | None = None) -> PlanReport:
     """Price every legal candidate with the profile of its graph, and rank those that fit by step time.
 
     ``profile_for(candidate)`` returns the profile of the graph converted with that candidate's
-    recompute / fp8 sections (the search caches nothing itself; the profiler does).
+    recompute / fp8 sections (the search caches nothing itself; the profiler does). With a
+    ``baseline`` profile, a candidate whose parameters and optimizer state alone overflow the GPU
+    is rejected without profiling its variant (recompute and FP8 change activations, not those).
     """
     space = space or SearchSpace.available()
     cands, skipped = enumerate_candidates(experts, cluster, global_batch, space, base)
+    if not cands:
+        raise MoecompileError("no legal plan to price: " + "; ".join(skipped[:3]))
     fits: list[Estimate] = []
     rejected: list[tuple[Estimate, str]] = []
-    profile = None
+    profile = baseline
+    failed: dict[str, list[str]] = {}
+    pruned: set[tuple[int, int]] = set()
+    n_pruned = 0
     for cand in cands:
+        if baseline is not None and static_memory(baseline, cand) > cluster.usable_memory:
+            n_pruned += 1
+            if (cand.ep, cand.micro_batch) not in pruned:  # one representative per EP size and micro-batch
+                pruned.add((cand.ep, cand.micro_batch))
+                est = estimate(baseline, cluster, cand, global_batch)
+                static = static_memory(baseline, cand)
+                rejected.append((est, f"parameters, gradients and optimizer state alone need {static / 2**30:.1f} GiB "
+                                      f"per GPU > {cluster.usable_memory / 2**30:.1f} GiB usable, before activations "
+                                      f"({est.misfit_reason().split(': ', 1)[1]})"))
+            continue
         try:
             prof = profile_for(cand)
         except MoecompileError as e:
-            skipped.append(f"{cand.describe()}: could not profile ({e})")
+            failed.setdefault(str(e).splitlines()[0], []).append(cand.describe())
             continue
         profile = profile or prof
         est = estimate(prof, cluster, cand, global_batch)
@@ -216,6 +234,10 @@ def search(profile_for: Callable[[Candidate], ModelProfile], experts: dict, clus
             fits.append(est)
         else:
             rejected.append((est, est.misfit_reason()))
+    skipped += [f"{len(c)} plan(s) like '{c[0]}' could not be profiled: {why}" for why, c in failed.items()]
+    if n_pruned > len(pruned):
+        skipped.append(f"{n_pruned - len(pruned)} more plans rejected like the ones shown: their parameters and "
+                       "optimizer state do not fit, whatever recompute / FP8 / overlap they use")
     if profile is None:
         raise MoecompileError("no candidate plan could be profiled: " + "; ".join(skipped[:3]))
     fits.sort(key=_rank_key)
@@ -223,11 +245,16 @@ def search(profile_for: Callable[[Candidate], ModelProfile], experts: dict, clus
     return PlanReport(profile, cluster, global_batch, fits, rejected, skipped, list(space.notes) + profile.notes)
 
 
+TIE = 0.002  # step times within 0.2% are a tie: the model is not that precise
+
+
 def _rank_key(est: Estimate) -> tuple:
-    """Fastest first; on a tie prefer dropless, fewer chunks, no recompute, larger micro-batch."""
+    """Fastest first; on a tie prefer dropless (no drops), fewer chunks, no recompute, no FP8, larger micro-batch."""
+    import math
+
     c = est.candidate
-    return (round(est.step_s, 9), c.plan.parallel.dispatch_mode != "dropless", c.overlap_chunks,
-            len(c.plan.recompute.modules), -c.micro_batch)
+    return (math.floor(math.log(max(est.step_s, 1e-12)) / math.log1p(TIE)), c.plan.parallel.dispatch_mode != "dropless",
+            c.overlap_chunks, len(c.plan.recompute.modules), c.plan.fp8.enabled, -c.micro_batch, est.step_s)
 
 
 def iter_sections(cand: Candidate) -> dict:
