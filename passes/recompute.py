@@ -23,6 +23,7 @@ Legend: R a recomputed region, C its consumers (nodes outside R saving R's outpu
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 
 import torch
@@ -160,10 +161,23 @@ def build_units(g: _Graph, regions: list[Region]) -> list[Unit]:
         r = set().union(*(x.nodes for x in group))
         r |= g.between(r)
         c = g.savers_of(r)
-        while c and (extra := g.between(r | c)):  # a consumer reached through outside nodes stays outside
-            c -= {n for n in c if any(a in extra or a in c for a in _ancestors_within(n, extra | c, g))}
+        for _ in range(32):  # keep the unit convex: views on the way join C; a consumer behind real work leaves
+            extra = g.between(r | c)
+            if not extra:
+                break
+            costly = {n for n in extra if not _is_view_like(n)}
+            c |= extra - costly
+            c -= {n for n in c if _ancestors_within(n, extra | c, g) & costly}
         units.append(Unit(group, r, c))
     return units
+
+
+def _is_view_like(n: fx.Node) -> bool:
+    """Shape bookkeeping and views: free to run beside the consumers."""
+    if n.target is operator.getitem or n.target in (torch.ops.aten.sym_size.int, torch.ops.aten._assert_tensor_metadata.default):
+        return True
+    schema = getattr(n.target, "_schema", None)
+    return schema is not None and bool(schema.returns) and all(r.alias_info is not None for r in schema.returns)
 
 
 def _ancestors_within(node: fx.Node, pool: set[fx.Node], g: _Graph) -> set[fx.Node]:
@@ -253,10 +267,9 @@ def _outline(gm: fx.GraphModule, nodes: set[fx.Node], make, name: str, meta: dic
     gm.add_submodule(name, make(sub))
     users = [u for o in outputs for u in o.users if u not in nodes]
     first_user = min(users, key=order.__getitem__) if users else ordered[-1].next
-    last_input = max((order[i] for i in inputs), default=-1)
     with gm.graph.inserting_before(first_user):
         call = gm.graph.call_module(name, tuple(inputs))
-        outs = [gm.graph.call_function(__import__("operator").getitem, (call, i)) for i in range(len(outputs))]
+        outs = [gm.graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
     call.meta.update({k: ordered[0].meta[k] for k in ("nn_module_stack", "stack_trace") if k in ordered[0].meta})
     call.meta["moe"] = meta
     for orig, new in zip(outputs, outs):
@@ -265,11 +278,29 @@ def _outline(gm: fx.GraphModule, nodes: set[fx.Node], make, name: str, meta: dic
         copy_moe(orig, new)
     for n in reversed(ordered):
         gm.graph.erase_node(n)
-    if users and last_input >= order[first_user]:  # an input comes after a user: restore topological order
-        from torch.fx.passes.tools_common import legalize_graph
-
-        legalize_graph(gm)
     return call
+
+
+def _stable_toposort(graph: fx.Graph) -> None:
+    """Move each node just after its inputs where an outlined call landed before one of them."""
+    emitted: set[fx.Node] = set()
+    order: list[fx.Node] = []
+    for root in list(graph.nodes):
+        stack = [(root, False)]
+        while stack:
+            n, ready = stack.pop()
+            if n in emitted:
+                continue
+            if ready:
+                emitted.add(n)
+                order.append(n)
+                continue
+            stack.append((n, True))
+            stack.extend((a, False) for a in reversed(n.all_input_nodes) if a not in emitted)
+    out = graph.output_node()
+    for n in order:
+        if n is not out:
+            out.prepend(n)
 
 
 @register_pass("recompute", after="fp8")
@@ -316,6 +347,7 @@ def recompute(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                  "offload_" + "_".join(kinds) + "_" + u.regions[0].name, {"layer": u.regions[0].name, "offload": kinds})
         record["offloaded"].append({"regions": _label(u.regions), "nodes": len(u.recompute)})
         ctx.decide(f"offload {_label(u.regions)}: saved tensors >= {cfg.offload_min_bytes} B go to host memory")
+    _stable_toposort(gm.graph)
     after = profile_activations(gm.graph, gm, ctx.example_inputs)
     record |= {"activation_bytes": after.device_bytes, "offloaded_bytes": after.host_bytes}
     ctx.decide(f"activations per rank {human(baseline, 'B', 1024)} -> {human(after.device_bytes, 'B', 1024)}"

@@ -1,0 +1,178 @@
+"""The recompute pass: regions recomputed or offloaded, gradients bit-identical, the budget met.
+
+The model: a tiny Llama whose layer 0 becomes MoE (with a shared expert) and whose
+layer 1 stays dense, so every region kind exists in one graph.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import moecompile as mc
+from moecompile.passes.regions import OffloadRegion, RecomputeRegion
+from moecompile.plan.recompute import REGION_KINDS
+
+from conftest import tiny_hf
+
+EXPERTS = {"num_experts": 4, "top_k": 2, "shared_experts": 1, "layers": "every:2", "z_loss_coeff": 0.1}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_hf("llama")
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+
+
+def _convert(model, batch, **recompute):
+    return mc.convert(model, {"experts": EXPERTS, "recompute": recompute}, (batch,))
+
+
+def _step(result, batch):
+    """Loss, then every gradient (router losses included, so the router's backward runs too)."""
+    result.module.zero_grad(set_to_none=True)
+    logits = result.module(batch).logits
+    loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    (loss + 0.1 * result.module.moe_stats.losses.get("model.layers.0.mlp", {}).get("z_loss", 0)).backward()
+    return logits.detach(), {k: p.grad.clone() for k, p in result.module.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(scope="module")
+def baseline(model, batch):
+    result = mc.convert(model, {"experts": EXPERTS}, (batch,))
+    return result, _step(result, batch), mc.estimate_memory(result, by_pass=False).activations
+
+
+def _regions(result, cls=RecomputeRegion):
+    return {name: m for name, m in result.module.named_children() if isinstance(m, cls)}
+
+
+@pytest.mark.parametrize("kind", REGION_KINDS)
+def test_each_region_kind_recomputes_with_identical_gradients(model, batch, baseline, kind):
+    _, (logits0, grads0), act0 = baseline
+    result = _convert(model, batch, modules=[kind])
+    regions = _regions(result)
+    assert regions and all(kind in m.kinds for m in regions.values())
+    logits, grads = _step(result, batch)
+    assert torch.equal(logits, logits0)
+    assert grads.keys() == grads0.keys()
+    for k in grads0:
+        assert torch.equal(grads[k], grads0[k]), f"{kind}: gradient of {k} differs"
+    rec = result.record("recompute").data["recompute"]
+    assert rec["activation_bytes"] < act0, f"recomputing {kind} saved nothing"
+    assert rec["activation_bytes"] == mc.estimate_memory(result, by_pass=False).activations
+
+
+def test_moe_act_region_takes_its_consumer_along(model, batch):
+    result = _convert(model, batch, modules=["moe_act"])
+    (region,) = _regions(result).values()
+    recomputed = [n.target for n in region.recompute.graph.nodes if n.op == "call_function"]
+    consumers = [n.target for n in region.consumers.graph.nodes if n.op == "call_function"]
+    assert recomputed == [torch.ops.moecompile.glu.default]
+    assert consumers == [torch.ops.moecompile.grouped_mm.default]  # the down projection, run once, saving a handle
+    est = mc.estimate_memory(result, by_pass=False)
+    glu_bytes = [n.meta["val"].nbytes for n in region.recompute.graph.nodes if n.op == "call_function"][0]
+    base = mc.estimate_memory(_convert(model, batch), by_pass=False)
+    assert base.activations - est.activations == glu_bytes  # exactly the activation output is no longer kept
+
+
+def test_touching_regions_merge(model, batch):
+    result = _convert(model, batch, modules=["layernorm", "attention"])
+    merged = [m for m in _regions(result).values() if m.kinds == ["attention", "layernorm"]]
+    assert len(merged) == 2  # input_layernorm + self_attn, per layer
+    left = [n for n in result.module.graph.nodes if n.op == "call_function" and n.target is not operator.getitem
+            and "Attention" in str(n.meta.get("nn_module_stack", ""))]
+    assert not left  # every attention node now runs inside a region
+
+
+def test_budget_chooses_regions_that_fit(model, batch, baseline):
+    _, (logits0, grads0), act0 = baseline
+    result = _convert(model, batch, budget=0.6)
+    rec = result.record("recompute").data["recompute"]
+    assert rec["baseline_bytes"] == act0
+    assert rec["predicted_bytes"] <= 0.6 * act0 and rec["activation_bytes"] == rec["predicted_bytes"]
+    assert rec["recomputed"] and any("budget" in d and "fits" in d for d in result.record("recompute").decisions)
+    logits, grads = _step(result, batch)
+    assert torch.equal(logits, logits0) and all(torch.equal(grads[k], grads0[k]) for k in grads0)
+    looser = _convert(model, batch, budget=0.9).record("recompute").data["recompute"]
+    assert looser["predicted_bytes"] <= 0.9 * act0
+    assert sum(r["flops"] for r in looser["recomputed"]) <= sum(r["flops"] for r in rec["recomputed"])
+
+
+def test_budget_in_bytes_restricted_to_modules(model, batch, baseline):
+    act0 = baseline[2]
+    result = _convert(model, batch, budget=f"{int(act0 * 0.9)}B", modules=["moe_act", "layernorm"])
+    kinds = {k for m in _regions(result).values() for k in m.kinds}
+    assert kinds <= {"moe_act", "layernorm"}
+    assert result.record("recompute").data["recompute"]["activation_bytes"] <= 0.9 * act0
+
+
+def test_unreachable_budget_says_so(model, batch):
+    result = _convert(model, batch, budget=1000, modules=["router"])
+    assert any("does not fit" in d for d in result.record("recompute").decisions)
+
+
+def test_offload_moves_saved_activations_to_host(model, batch, baseline):
+    _, (logits0, grads0), act0 = baseline
+    result = _convert(model, batch, offload=["moe", "attention"], offload_min_bytes=0)
+    assert len(_regions(result, OffloadRegion)) == 3  # the MoE block and both attentions
+    logits, grads = _step(result, batch)
+    assert torch.equal(logits, logits0) and all(torch.equal(grads[k], grads0[k]) for k in grads0)
+    est = mc.estimate_memory(result, by_pass=False)
+    assert est.offloaded > 0 and est.activations < act0
+
+
+def test_recompute_replays_dropout():
+    """A region that draws random numbers recomputes with the forward's RNG state."""
+
+    class DropNorm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(16)
+
+        def forward(self, x):
+            return F.dropout(self.ln(x), 0.5, self.training)
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x):
+            return self.down(F.relu(self.up(x)))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.mlp = DropNorm(), MLP()
+
+        def forward(self, x):
+            return x + self.mlp(self.norm(x))
+
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(8, 16)
+    experts = {"num_experts": 2, "top_k": 1}
+    runs = []
+    for plan in ({"experts": experts}, {"experts": experts, "recompute": {"modules": ["layernorm"]}}):
+        result = mc.convert(block, plan, (x,))
+        torch.manual_seed(7)
+        xi = x.clone().requires_grad_()
+        y = result.module(xi)
+        y.square().sum().backward()
+        runs.append((y.detach(), xi.grad, result))
+    (y0, g0, _), (y1, g1, result) = runs
+    assert _regions(result) and torch.equal(y0, y1) and torch.equal(g0, g1)
+    assert not torch.equal(y0, block(x))  # dropout really dropped something
+
+
+def test_nothing_to_do_leaves_the_graph(model, batch):
+    result = _convert(model, batch)
+    assert not result.record("recompute").changed and not _regions(result)
