@@ -1,0 +1,103 @@
+"""The memory estimator (fake tensors, nothing runs) against memory measured on a real CPU step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moecompile as mc
+from moecompile.memory import CATEGORIES, measure_memory
+
+from conftest import tiny_hf
+
+EXPERTS = {"num_experts": 4, "top_k": 2, "shared_experts": 1}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_hf("llama")
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
+
+
+def _measured(result, batch) -> int:
+    return measure_memory(lambda: result.module(batch).logits, lambda out: out.float().sum().backward()).retained
+
+
+def test_measure_memory_counts_what_forward_keeps():
+    x = torch.randn(256, 256, requires_grad=True)  # 256 KiB, made before the measurement
+    m = measure_memory(lambda: (x * 2).sin(), lambda y: y.sum().backward())
+    assert 0 <= m.retained - 2 * 256 * 256 * 4 <= 64  # x * 2 (saved by sin) and the output (+ a wrapped scalar)
+    assert m.peak >= m.retained and x.grad is not None
+
+
+@pytest.mark.parametrize("plan", [
+    {},
+    {"fp8": {"recipe": "tensorwise"}},
+    {"fp8": {"recipe": "blockwise", "block_size": 16}},
+    {"recompute": {"modules": ["moe_act", "layernorm"]}},
+    {"recompute": {"budget": 0.5}},
+], ids=["baseline", "fp8-tensorwise", "fp8-blockwise", "recompute", "budget"])
+def test_estimate_matches_measured_peak_activations(model, batch, plan):
+    result = mc.convert(model, {"experts": EXPERTS, **plan}, (batch,))
+    est = mc.estimate_memory(result, by_pass=False)
+    measured = _measured(result, batch)
+    assert abs(est.activations - measured) / measured < 0.15, (est.activations, measured)
+
+
+def test_breakdown_adds_up(model, batch):
+    result = mc.convert(model, {"experts": EXPERTS}, (batch,))
+    est = mc.estimate_memory(result)
+    assert set(est.by_category) <= set(CATEGORIES)
+    assert sum(est.by_category.values()) == est.activations
+    assert sum(sum(d.values()) for d in est.by_layer.values()) == est.activations
+    for cat in ("attention", "router", "experts", "permutation", "layernorm"):
+        assert est.by_layer["model.layers.0"].get(cat, 0) > 0, cat
+    params = sum(p.numel() * p.element_size() for p in result.module.parameters())
+    assert est.params == est.grads == params and est.optimizer == 2 * params  # AdamW: two states
+    assert mc.estimate_memory(result, optimizer="sgd", by_pass=False).optimizer == 0
+    with pytest.raises(mc.MoecompileError, match="optimizer"):
+        mc.estimate_memory(result, optimizer="lion")
+    text = str(est)
+    assert "model.layers.1" in text and "after pass" in text
+
+
+def test_by_pass_shows_what_each_pass_changed(model, batch):
+    result = mc.convert(model, {"experts": EXPERTS, "recompute": {"modules": ["moe"]}}, (batch,))
+    est = mc.estimate_memory(result)
+    by = {p.name: p for p in est.by_pass}
+    assert list(by) == [r.name for r in result.history]
+    assert by["trace"].activations == by["find_ffn"].activations  # an analysis pass changes nothing
+    assert by["upcycle"].activations > by["find_ffn"].activations  # k copies of every token
+    assert by["upcycle"].params > by["find_ffn"].params
+    assert by["recompute"].activations == est.activations < by["upcycle"].activations
+
+
+def test_fp8_halves_expert_gemm_activations_vs_bf16(batch):
+    """What the expert GEMMs keep for backward: the bf16 input rows, or their float8 copy."""
+    model = tiny_hf("llama").to(torch.bfloat16)
+    runs = {}
+    for name, fp8 in (("bf16", {}), ("fp8", {"recipe": "tensorwise", "modules": ["experts"]})):
+        result = mc.convert(model, {"experts": EXPERTS, "fp8": fp8}, (batch,))
+        est = mc.estimate_memory(result, by_pass=False)
+        gemms = {n.name for n in result.module.graph.nodes if n.op == "call_function"
+                 and "moecompile" in str(n.target) and "grouped" in str(n.target)}
+        kept = sum(t.nbytes for t in est.profile.tensors.values() if t.savers & gemms and t.nbytes > 64)
+        runs[name] = (kept, est.activations)
+    assert runs["fp8"][0] == runs["bf16"][0] // 2
+    assert runs["fp8"][1] < runs["bf16"][1]
+
+
+def test_other_batch_sizes(model, batch):
+    static = mc.convert(model, {"experts": EXPERTS}, (batch,))
+    assert mc.estimate_memory(static, batch=2, by_pass=False).activations == mc.estimate_memory(static, by_pass=False).activations
+    with pytest.raises(mc.MoecompileError, match="dynamic=True"):
+        mc.estimate_memory(static, batch=4, by_pass=False)
+    dynamic = mc.convert(model, {"experts": EXPERTS}, (batch,), dynamic=True)
+    two, four = (mc.estimate_memory(dynamic, batch=b, by_pass=False) for b in (2, 4))
+    assert 1.8 < four.activations / two.activations <= 2.0  # per-token activations double; rotary tables don't
+    measured = measure_memory(lambda: dynamic.module(batch.repeat(2, 1)).logits, lambda o: o.float().sum().backward())
+    assert abs(four.activations - measured.retained) / measured.retained < 0.15
