@@ -62,7 +62,7 @@ def rewrite(gm: fx.GraphModule, em: Emit, world: World, capacity: int | None) ->
         perm = em(D, mc.permute.default, x_GH, bucket_GK, w_GK, buckets + 1, capacity or 0, policy)
         x_RH, row_src_R, sizes_B = (em(D, operator.getitem, perm, i) for i in range(3))
         if capacity is None:
-            n_mine = em.host_ints(D, em(D, aten.sum.dim_IntList, em(D, aten.narrow.default, sizes_B, 0, 0, L), [0], True), 1)[0]
+            n_mine = em.host_ints(D, em(D, aten.sum.dim_IntList, em(D, aten.narrow.default, sizes_B, 0, 0, L), [0], True), [0])[0]
             x_in = em(D, aten.narrow.default, x_RH, 0, 0, n_mine)
             sizes_L = em(D, aten.narrow.default, sizes_B, 0, 0, L)
         else:

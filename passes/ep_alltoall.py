@@ -46,11 +46,13 @@ def rewrite(gm: fx.GraphModule, em: Emit, world: World, capacity: int | None) ->
             counts_PL = em(D, aten.view.default, counts, [P, L])  # rows from source s for my expert e
             send_P = em(D, aten.sum.dim_IntList, em(D, aten.view.default, sizes_E, [P, L]), [1])
             recv_P = em(D, aten.sum.dim_IntList, counts_PL, [1])
-            splits = em.host_ints(D, em(D, aten.cat.default, [send_P, recv_P]), 2 * P)
+            # one host sync; the last send split is N - the others, so the rows coming back provably
+            # number the permute's N (the combine's unpermute checks that statically)
+            splits = em.host_ints(D, em(D, aten.cat.default, [send_P, recv_P]), [*range(P - 1), *range(P, 2 * P)])
             last = em(D, aten.sym_size.int, x_NH, 0)
             for s in splits[: P - 1]:
                 last = em(D, operator.sub, last, s)
-            send, recv = [*splits[: P - 1], last], splits[P:]
+            send, recv = [*splits[: P - 1], last], splits[P - 1:]
             x_MH = em.collective(ALL_TO_ALL, x_NH, recv, send, what="dispatch")
             x_in = em(D, mc.sort_chunks.default, x_MH, counts_PL)
             sizes_L = em(D, aten.sum.dim_IntList, counts_PL, [0])

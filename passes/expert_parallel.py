@@ -85,11 +85,11 @@ class Emit:
         s.meta["moe"]["group"] = w.meta["moe"]["group"] = self.group
         return w
 
-    def host_ints(self, role: Role, t: fx.Node, n: int) -> list[fx.Node]:
-        """The ``n`` values of int tensor ``t`` as SymInt nodes: one device-to-host copy."""
+    def host_ints(self, role: Role, t: fx.Node, indices: list[int]) -> list[fx.Node]:
+        """Values ``t[i]`` of a 1-d int tensor as SymInt nodes: one device-to-host copy for all of them."""
         host = self(role, aten._to_copy.default, t, device=torch.device("cpu"))
         parts = self(role, aten.unbind.int, host)
-        return [self(role, aten._local_scalar_dense.default, self(role, operator.getitem, parts, i)) for i in range(n)]
+        return [self(role, aten._local_scalar_dense.default, self(role, operator.getitem, parts, i)) for i in indices]
 
 
 def find_blocks(gm: fx.GraphModule) -> list[Block]:

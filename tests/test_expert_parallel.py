@@ -23,7 +23,7 @@ from _dist import spawn
 
 E, K, H = 8, 2, 16
 TOL = 1e-5
-TIMEOUT_S = 20.0  # plan.parallel.timeout_s inside the scenarios: a broken collective fails, not hangs
+TIMEOUT_S = 120.0  # plan.parallel.timeout_s in the scenarios: a broken collective fails, not hangs (generous: ranks drift apart on a loaded CI box)
 
 
 class GLU(nn.Module):
@@ -98,6 +98,7 @@ def idle_experts_and_ranks(gm: nn.Module) -> None:
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12)) if b.numel() else 0.0
 
 
@@ -204,10 +205,10 @@ def scenario_two_ranks(rank: int, world_size: int) -> dict:
         errs = ep_errors(rank, model, plan(2, dispatcher), xs, targets)
         assert_close(errs, f"{dispatcher} dropless")
         facts = graph_facts(errs["result"])
-        # per layer: alltoall = counts + dispatch + combine, one host sync for the splits (2P ints)
+        # per layer: alltoall = counts + dispatch + combine, one host sync for the splits (2P - 1 ints)
         # allgather = x, idx, w gathers + one reduce-scatter, one host sync for the local row count
         assert facts["starts"] == facts["waits"] == 2 * (3 if dispatcher == "alltoall" else 4), facts
-        assert facts["host_syncs"] == 2 * (4 if dispatcher == "alltoall" else 1), facts
+        assert facts["host_syncs"] == 2 * (3 if dispatcher == "alltoall" else 1), facts
         gm = errs["result"].module
         lo, hi = rank * E // 2, (rank + 1) * E // 2
         assert gm.get_parameter("layers.0.experts.w_gate_up").shape[0] == E // 2
@@ -359,7 +360,7 @@ def fault(rank: int, model: nn.Module, xs: list) -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list:
-    return spawn(scenario_two_ranks, 2, timeout=200)
+    return spawn(scenario_two_ranks, 2, timeout=400)
 
 
 @pytest.mark.distributed
@@ -382,7 +383,7 @@ def test_tiny_llama_trains_with_ep2_step_for_step_like_ep1(two_ranks):
 @pytest.fixture(scope="module")
 def four_ranks() -> list:
     """One 4-rank spawn (process start-up dominates the cost): the fast cases, then fault injection."""
-    return spawn(scenario_four_ranks, 4, args=(FOUR_RANK_CASES, True), timeout=150, may_exit=(1,))
+    return spawn(scenario_four_ranks, 4, args=(FOUR_RANK_CASES, True), timeout=400, may_exit=(1,))
 
 
 @pytest.mark.distributed
@@ -407,7 +408,7 @@ def test_a_failed_rank_gives_a_named_bounded_error(four_ranks, rank, peer):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_four_ranks_remaining_dispatcher_mode_pairs():
-    spawn(scenario_four_ranks, 4, args=(FOUR_RANK_SLOW_CASES, False), timeout=300)
+    spawn(scenario_four_ranks, 4, args=(FOUR_RANK_SLOW_CASES, False), timeout=600)
 
 
 def test_world_the_plan_cannot_use_fails_before_any_collective(tmp_path):
@@ -474,6 +475,28 @@ def test_verifier_rejects_a_collective_read_before_its_wait():
     dangling.meta["moe"] = {"group": "0"}
     with pytest.raises(AssertionError, match="0 waits"):
         verify_collectives(fx.GraphModule(nn.Module(), g), None)
+
+
+def scenario_options(rank: int, world_size: int) -> dict:
+    """Shared experts with fine-grained experts (G = 2), and a dynamic-shape graph called on another batch."""
+    torch.manual_seed(0)
+    model = Stack()
+    xs, targets = global_batch(world_size)
+    for dispatcher in ("alltoall", "allgather"):
+        errs = ep_errors(rank, model, plan(2, dispatcher, shared_experts=1, granularity=2), xs, targets)
+        assert_close(errs, f"{dispatcher} with a shared expert and granularity 2")
+    p = plan(2)
+    result = mc.convert(model, p, (xs[rank],), dynamic=True)
+    ref = mc.convert(model, p.replace(parallel={"ep": 1}), (xs[rank],), dynamic=True)
+    other = xs[rank][:1, :4]
+    assert rel(result.module(other), ref.module(other)) <= TOL
+    return {}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_shared_experts_granularity_and_dynamic_shapes_with_ep2():
+    spawn(scenario_options, 2, timeout=600)
 
 
 @pytest.mark.slow
