@@ -20,6 +20,14 @@ local experts, run them, unpermute into a partial [ep*T, H], reduce-scatter the 
 ``static`` mode: the permute keeps C rows per expert (parallel.capacity_factor, per source rank),
 so every buffer and split is fixed and nothing syncs the host. Collective starts are torch's
 functional collectives; their waits are ``moecompile.wait_tensor`` (named failures).
+
+Meta: starts have role ``collective_start`` and waits ``collective_wait``, both with ``group`` (the
+c10d group name); the wait's label (``"<layer>: dispatch"``, ``": combine"``, ``": dispatch counts"``)
+says which exchange the pair is. Local work before the experts is ``dispatch``, after them
+``combine_comm``. Expert tensors keep their names with E/ep rows; ``MoEInfo.expert_range`` and the
+``expert_shard`` attribute of ``<layer>.experts`` give the global ids (moecompile.distributed).
+The verifier below (every collective has exactly one wait, nothing reads it unwaited) runs after
+this pass and every later one. Helpers raise ValueError; the pass manager reports a PassError.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import torch.nn as nn
 import moecompile.kernels  # noqa: F401  (registers torch.ops.moecompile.*)
 from moecompile import distributed
 from moecompile.distributed import ExpertShard, World
-from moecompile.errors import DistributedError, PassError
+from moecompile.errors import DistributedError
 from moecompile.meta import MoEInfo, Role, moe
 from moecompile.outputs import add_side_outputs
 from moecompile.pass_manager import PassContext, register_pass, register_verifier
@@ -113,7 +121,7 @@ def find_blocks(gm: fx.GraphModule) -> list[Block]:
         if "info" not in d:
             continue
         if not all(k in d for k in ("permute", "unpermute")) or not d["experts"]:
-            raise PassError("expert_parallel", [], f"MoE layer {layer} has no permute -> experts -> unpermute section")
+            raise ValueError(f"MoE layer {layer} has no permute -> experts -> unpermute section to distribute")
         outs = {u.args[1]: u for u in d["permute"].users if u.target is operator.getitem}
         blocks.append(Block(layer, d["info"], d["permute"], outs, d["experts"], d["unpermute"]))
     return blocks
@@ -126,8 +134,8 @@ def rewire_experts(block: Block, x_in: fx.Node, sizes: fx.Node) -> None:
     for n in block.experts:
         for arg in n.all_input_nodes:
             if arg not in section and arg not in allowed and arg.op != "get_attr":
-                raise PassError("expert_parallel", [], f"the expert section reads {arg.name}, which expert "
-                                "parallelism doesn't know how to move to the experts' ranks", node=n.format_node())
+                raise ValueError(f"the expert section reads {arg.name} (at {n.format_node()}), which expert "
+                                 "parallelism doesn't know how to move to the experts' ranks")
     for old, new in ((block.outs.get(0), x_in), (block.outs.get(2), sizes)):
         for n in block.experts:
             if old is not None and old in n.all_input_nodes:
@@ -153,8 +161,9 @@ def _shard(gm: fx.GraphModule, block: Block, lo: int, hi: int) -> None:
         owner = gm.get_submodule(owner_path)
         p = owner._parameters[leaf]
         if p.shape[0] != E:
-            raise PassError("expert_parallel", [], f"{name} has {p.shape[0]} rows, expected one per expert ({E})")
-        owner._parameters[leaf] = nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad)
+            raise ValueError(f"{name} has {p.shape[0]} rows, expected one per expert ({E})")
+        if (lo, hi) != (0, E):
+            owner._parameters[leaf] = nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad)
         owner.expert_shard = ExpertShard(lo, hi, E)
     block.info["expert_range"] = (lo, hi)
 

@@ -23,7 +23,7 @@ from _dist import spawn
 
 E, K, H = 8, 2, 16
 TOL = 1e-5
-TIMEOUT_S = 120.0  # plan.parallel.timeout_s in the scenarios: a broken collective fails, not hangs (generous: ranks drift apart on a loaded CI box)
+TIMEOUT_S = 120.0  # parallel.timeout_s in the scenarios: generous, ranks drift apart on a loaded CI box
 
 
 class GLU(nn.Module):
