@@ -145,7 +145,7 @@ def _train_rank(rank: int, world: int, batch: int, seq: int, steps: int, experts
 
     from moecompile.models import build_model
 
-    bench = measure_rank(world)
+    before = measure_rank(world)
     plan = mc.Plan.from_dict({"experts": experts, "parallel": {"ep": world}})
     if world > 1:
         mc.distributed.init(plan)
@@ -167,6 +167,8 @@ def _train_rank(rank: int, world: int, batch: int, seq: int, steps: int, experts
         if world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times.append(float(t))
+    after = measure_rank(world)  # the machine may be shared: keep the better of the two samples
+    bench = {k: (max if k in ("matmul_flops", "copy_bw") else min)(before[k], after[k]) for k in before}
     return {"bench": bench, "times": times, "profile": profile_result(result) if rank == 0 else None}
 
 
@@ -179,28 +181,29 @@ def cpu_table(eps: tuple[int, ...] = (1, 2, 4), batch: int = 8, seq: int = 128, 
         prof = ranks[0]["profile"]
         cand = Candidate(prof.plan, micro_batch=batch)
         est = estimate(prof, cluster, cand, batch * ep)
-        measured = statistics.median(ranks[0]["times"])
-        rows.append(dict(ep=ep, cluster=cluster, est=est, measured=measured,
-                         spread=(min(ranks[0]["times"]), max(ranks[0]["times"])),
-                         error=(est.step_s - measured) / measured))
+        times = ranks[0]["times"]
+        fastest, median = min(times), statistics.median(times)
+        rows.append(dict(ep=ep, cluster=cluster, est=est, measured=fastest, median=median, slowest=max(times),
+                         error=(est.step_s - fastest) / fastest))
     return rows
 
 
 def print_cpu(rows: list[dict], batch: int, seq: int) -> None:
     print(f"\n## Planner vs measured on this machine (small-llama upcycled to 8 experts top-2, fp32, {batch} x {seq} "
           "tokens per rank, build_train_step over gloo)\n")
-    print("| ep | threads/rank | predicted step | measured step (median, min-max) | error | compute | "
-          "dispatch+combine | grad sync + optimizer |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| ep | threads/rank | predicted step | measured step (fastest) | error | measured median / slowest | "
+          "predicted compute | predicted dispatch+combine | predicted grad sync + optimizer |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for d in rows:
         est = d["est"]
         comp = est.term("forward") + est.term("backward") + est.term("recompute")
         sync = est.term("gradient sync") + est.term("optimizer")
-        lo, hi = d["spread"]
-        print(f"| {d['ep']} | {threads_per_rank(d['ep'])} | {est.step_s * 1e3:.1f} ms | {d['measured'] * 1e3:.1f} ms "
-              f"({lo * 1e3:.1f}-{hi * 1e3:.1f}) | {d['error']:+.0%} | {comp * 1e3:.1f} ms | "
+        print(f"| {d['ep']} | {threads_per_rank(d['ep'])} | {est.step_s * 1e3:.1f} ms | {d['measured'] * 1e3:.1f} ms | "
+              f"{d['error']:+.0%} | {d['median'] * 1e3:.1f} / {d['slowest'] * 1e3:.1f} ms | {comp * 1e3:.1f} ms | "
               f"{est.term('dispatch+combine') * 1e3:.1f} ms | {sync * 1e3:.1f} ms |")
-    print("\nMeasured clusters (microbenchmarks run in the same processes just before training):")
+    print("\nThe error compares with the fastest step: on a shared machine it is the least-contended sample, "
+          "as are the microbenchmark figures (fastest of their runs, before and after training).")
+    print("Measured clusters (microbenchmarks in the same processes, before and after training):")
     for d in rows:
         print(f"- ep={d['ep']}: {d['cluster'].source}")
 

@@ -18,7 +18,8 @@ from typing import Any, Callable
 from ..errors import MoecompileError
 from .cluster import Cluster, Link, preset, preset_names
 from .cost_model import Candidate, Estimate, estimate
-from .profile import ModelProfile, named_configs, profile_config, profile_result
+from .arch import named_configs
+from .profile import ModelProfile, profile_config, profile_result
 from .search import PlanReport, SearchSpace, enumerate_candidates, iter_sections, legal_ep_sizes, search
 
 __all__ = [

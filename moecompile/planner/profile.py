@@ -4,16 +4,16 @@
     prof = profile_result(result)                             # a graph you converted yourself
 
 A large Hugging Face MoE config is analysed without allocating anything: its dense
-equivalent (the same attention, an FFN as wide as one expert) is built on the meta
-device and converted with the matching ``experts`` plan, so ``upcycle`` produces the
-model's MoE layers exactly (DeepSeek-V3: 256 experts of 2048, top-8, one shared expert
-of 2048). Tracing all 61 layers is not needed: we convert 1 and 2 MoE layers (and 1
-dense layer when the model has dense layers of another width) and scale by layer
-count: base (embedding, head) = 2*P1 - P2, one MoE layer = P2 - P1, one dense layer =
-D1 - base. That is exact for FLOPs and bytes of identical layers, and approximate for
-peak memory (which is nearly linear in layers). Multi-token-prediction heads are not
-modelled. FLOPs come from ``moecompile.costs.node_flops``; memory from the memory
-estimator (``moecompile.memory``) when it is available.
+equivalent (the same attention, an FFN as wide as one expert; see ``arch.py``) is built on
+the meta device and converted with the matching ``experts`` plan, so ``upcycle`` produces
+the model's MoE layers exactly. Tracing all 61 layers of DeepSeek-V3 is not needed: we
+convert one MoE layer (and one dense layer when the model has dense layers of another
+width) and scale by layer count: the ops outside ``model.layers.N`` are the base
+(embedding, final norm, head), the ops of layer 0 are one layer. That is exact for FLOPs
+and bytes of identical layers. Activation memory comes from the memory estimator
+(``moecompile.memory``), whose per-layer split is scaled the same way; without it, the
+whole-graph figure of ``moecompile.costs`` at 1 and 2 layers is differenced. The
+multi-token-prediction module is not modelled. FLOPs are ``moecompile.costs.node_flops``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import functools
 import json
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -32,8 +32,8 @@ from .. import costs
 from ..errors import MoecompileError
 from ..graph import module_path
 from ..meta import Role
+from .arch import _fields, load_model_config, moe_arch, named_configs  # noqa: F401  (named_configs re-exported)
 
-CONFIGS = Path(__file__).parent / "configs"
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _MOE_ROLES = {r.value for r in (Role.ROUTER, Role.ROUTE, Role.PERMUTE, Role.DISPATCH, Role.EXPERTS, Role.EXPERT_ACT,
                                 Role.COMBINE_COMM, Role.COMBINE, Role.SHARED_EXPERTS, Role.ROUTER_LOSS)}
@@ -130,93 +130,6 @@ class ModelProfile:
         return (f"{self.name}: {self.num_layers} layers ({self.moe_layers} MoE, E={self.num_experts} top-{self.top_k}), "
                 f"{costs.human(self.dense_params + self.expert_params)} params ({costs.human(self.expert_params)} in "
                 f"experts), {costs.human(self.flops_per_token, 'FLOP')}/token forward at seq {self.seq_len}")
-
-
-# --- configs ---------------------------------------------------------------------------------------
-
-
-def named_configs() -> dict[str, Path]:
-    """The large-model configs shipped with the planner (name -> JSON path)."""
-    return {p.stem: p for p in sorted(CONFIGS.glob("*.json"))}
-
-
-def load_model_config(spec: Any) -> Any:
-    """A Hugging Face config from a config object, a shipped name (``deepseek-v3``), a zoo name or a path."""
-    from ..models import load_config
-
-    if hasattr(spec, "to_dict") and hasattr(spec, "model_type"):
-        return spec
-    key = str(spec).lower()
-    named = named_configs()
-    return load_config(named[key]) if key in named else load_config(spec)
-
-
-@dataclasses.dataclass(frozen=True)
-class MoEArch:
-    """How to rebuild a model's MoE layers with moecompile: a dense equivalent and an experts plan."""
-
-    model_type: str  # of the dense-equivalent config
-    base: dict  # its config fields (layers and FFN width are set per trace)
-    experts: dict  # the experts plan section
-    moe_intermediate: int
-    dense_intermediate: int
-    n_dense: int
-    n_moe: int
-
-    def config(self, layers: int, intermediate: int) -> Any:
-        from transformers import AutoConfig
-
-        fields = {**self.base, "num_hidden_layers": layers, "intermediate_size": intermediate}
-        if self.model_type == "deepseek_v3":
-            fields["first_k_dense_replace"] = layers  # every layer a dense MLP; upcycle makes the MoE
-        return AutoConfig.for_model(self.model_type, **fields)
-
-
-def _fields(config: Any, drop: Iterable[str] = ()) -> dict:
-    d = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures", "transformers_version",
-                                                               "auto_map", "_name_or_path", "dtype", "torch_dtype")}
-    for k in drop:
-        d.pop(k, None)
-    return d
-
-
-def moe_arch(config: Any, experts: dict | None = None) -> MoEArch:
-    """The dense equivalent and experts plan of a Hugging Face config (MoE types, or dense + ``experts``)."""
-    mt = config.model_type
-    L = config.num_hidden_layers
-    if mt == "deepseek_v3":
-        n_dense = int(getattr(config, "first_k_dense_replace", 0))
-        plan = dict(num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
-                    shared_experts=int(config.n_shared_experts or 0), score="sigmoid", expert_bias=True,
-                    normalize=bool(getattr(config, "norm_topk_prob", True)))
-        return MoEArch("deepseek_v3", _fields(config), {**plan, **(experts or {})}, config.moe_intermediate_size,
-                       config.intermediate_size, n_dense, L - n_dense)
-    if mt == "qwen3_moe":
-        step = max(1, int(getattr(config, "decoder_sparse_step", 1)))
-        only = set(getattr(config, "mlp_only_layers", []) or [])
-        n_moe = sum(1 for i in range(L) if i not in only and (i + 1) % step == 0)
-        plan = dict(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
-                    normalize=bool(getattr(config, "norm_topk_prob", True)))
-        drop = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
-                "norm_topk_prob", "output_router_logits", "router_aux_loss_coef")
-        return MoEArch("qwen3", _fields(config, drop), {**plan, **(experts or {})}, config.moe_intermediate_size,
-                       config.intermediate_size, L - n_moe, n_moe)
-    if mt == "mixtral":
-        plan = dict(num_experts=config.num_local_experts, top_k=config.num_experts_per_tok)
-        drop = ("num_local_experts", "num_experts_per_tok", "output_router_logits", "router_aux_loss_coef",
-                "router_jitter_noise")
-        return MoEArch("mistral", _fields(config, drop), {**plan, **(experts or {})}, config.intermediate_size,
-                       config.intermediate_size, 0, L)
-    if getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None) or \
-            getattr(config, "num_local_experts", None):
-        raise MoecompileError(
-            f"model_type {mt!r} is an MoE architecture the planner cannot rebuild yet (supported: deepseek_v3, "
-            "qwen3_moe, mixtral); give its dense equivalent config and an experts plan instead")
-    if not experts:
-        raise MoecompileError(
-            f"{mt!r} is a dense model: say how to make it MoE with experts={{'num_experts': 8, 'top_k': 2}} "
-            "(moecompile plan --experts '{...}')")
-    return MoEArch(mt, _fields(config), dict(experts), config.intermediate_size, config.intermediate_size, 0, L)
 
 
 # --- graphs -> costs ---------------------------------------------------------------------------------
