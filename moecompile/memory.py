@@ -109,7 +109,6 @@ class ActivationProfile:
     uses: dict[str, set[int]]  # node -> storages of its tensor inputs (parameters excluded)
     produced: dict[str, set[int]]  # node -> storages it made
     flops: dict[str, int]  # node -> forward FLOPs (one per output element where torch has no formula)
-    out_bytes: dict[str, int]  # node -> bytes of its non-view outputs
     sizes: dict[int, int] = dataclasses.field(default_factory=dict)  # storage -> bytes, every storage seen
 
     @property
@@ -144,7 +143,6 @@ class _FakeRun:
         self.uses: dict[str, set[int]] = {}
         self.produced: dict[str, set[int]] = {}
         self.flops: dict[str, int] = {}
-        self.out_bytes: dict[str, int] = {}
         self.sizes: dict[int, int] = {}
         self.saving: fx.Node | None = None
         self.where = "device"  # "device" | "host" (offload region) | "drop" (recompute region)
@@ -170,10 +168,9 @@ class _FakeRun:
         target = str(node.target)
         val = node.meta.get("val")
         try:
-            real = self.root.get_parameter(target)
-            is_param = real.requires_grad
+            is_param: bool | None = self.root.get_parameter(target).requires_grad
         except AttributeError:
-            real, is_param = None, None
+            is_param = None
         if not isinstance(val, torch.Tensor):
             obj: Any = self.root
             for part in target.split("."):
@@ -261,7 +258,6 @@ class _FakeRun:
                     made.add(key)
                     size += t.untyped_storage().nbytes()
         self.produced[node.name] = made
-        self.out_bytes[node.name] = size
         if node.op == "call_function" and not self.flops.get(node.name):
             self.flops[node.name] = sum(t.numel() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
 
@@ -278,7 +274,7 @@ def profile_activations(graph: fx.Graph, root: torch.nn.Module, inputs: list[Any
             src = run.producer.get(_storage(t))
             run.tensors[_storage(t)] = SavedTensor(t.untyped_storage().nbytes(), src.name if src else "output",
                                                    layer_of(src) if src else "(model)", category(src) if src else "other")
-    return ActivationProfile(run.tensors, outputs, run.uses, run.produced, run.flops, run.out_bytes, run.sizes)
+    return ActivationProfile(run.tensors, outputs, run.uses, run.produced, run.flops, run.sizes)
 
 
 # ---------------------------------------------------------------- the estimate

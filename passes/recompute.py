@@ -29,15 +29,14 @@ import re
 import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
-from torch.fx.passes.utils.fuser_utils import fuse_as_graphmodule
 
 from moecompile.costs import collective_kind, human
 from moecompile.graph import module_path
 from moecompile.memory import ActivationProfile, profile_activations
-from moecompile.meta import Role, copy_moe, moe
+from moecompile.meta import Role, moe
 from moecompile.pass_manager import PassContext, register_pass, register_verifier
 
-from .regions import OffloadRegion, RecomputeRegion
+from .regions import OffloadRegion, RecomputeRegion, outline, stable_toposort
 
 _ROLES = {
     "router": {Role.ROUTER, Role.ROUTE},
@@ -256,53 +255,6 @@ def _label(regions: list[Region]) -> str:
     return " + ".join(f"{r.kind}:{r.name}" for r in regions)
 
 
-def _outline(gm: fx.GraphModule, nodes: set[fx.Node], make, name: str, meta: dict) -> fx.Node:
-    """Replace ``nodes`` (convex) by one call_module of ``make(fused GraphModule)``."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    ordered = sorted(nodes, key=order.__getitem__)
-    sub, inputs, outputs = fuse_as_graphmodule(gm, ordered, "Unit", always_return_tuple=True)
-    name = re.sub(r"\W", "_", name)
-    while hasattr(gm, name):
-        name += "_"
-    gm.add_submodule(name, make(sub))
-    users = [u for o in outputs for u in o.users if u not in nodes]
-    first_user = min(users, key=order.__getitem__) if users else ordered[-1].next
-    with gm.graph.inserting_before(first_user):
-        call = gm.graph.call_module(name, tuple(inputs))
-        outs = [gm.graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
-    call.meta.update({k: ordered[0].meta[k] for k in ("nn_module_stack", "stack_trace") if k in ordered[0].meta})
-    call.meta["moe"] = meta
-    for orig, new in zip(outputs, outs):
-        orig.replace_all_uses_with(new)
-        new.meta.update({k: v for k, v in orig.meta.items() if k != "moe"})
-        copy_moe(orig, new)
-    for n in reversed(ordered):
-        gm.graph.erase_node(n)
-    return call
-
-
-def _stable_toposort(graph: fx.Graph) -> None:
-    """Move each node just after its inputs where an outlined call landed before one of them."""
-    emitted: set[fx.Node] = set()
-    order: list[fx.Node] = []
-    for root in list(graph.nodes):
-        stack = [(root, False)]
-        while stack:
-            n, ready = stack.pop()
-            if n in emitted:
-                continue
-            if ready:
-                emitted.add(n)
-                order.append(n)
-                continue
-            stack.append((n, True))
-            stack.extend((a, False) for a in reversed(n.all_input_nodes) if a not in emitted)
-    out = graph.output_node()
-    for n in order:
-        if n is not out:
-            out.prepend(n)
-
-
 @register_pass("recompute", after="fp8")
 def recompute(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     cfg = ctx.plan.recompute
@@ -330,12 +282,18 @@ def recompute(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         ctx.decide(f"{r.kind}:{r.name} not recomputed: it holds a collective or an in-place op")
     units = build_units(g, chosen)
     taken = set().union(*(u.nodes for u in units)) if units else set()
-    offloads = build_units(g, [r for r in find_regions(gm, cfg.offload) if _recomputable(r) and not r.nodes & taken])
+    offloads = []  # what a recompute unit already covers is not offloaded as well
+    for u in build_units(g, [Region(r.kind, r.name, r.nodes - taken) for r in find_regions(gm, cfg.offload)
+                             if _recomputable(r) and r.nodes - taken]):
+        if u.recompute & taken:
+            ctx.decide(f"offload {_label(u.regions)} skipped: it would overlap a recomputed region")
+        else:
+            offloads.append(u)
     record = {"baseline_bytes": baseline, "predicted_bytes": predicted_bytes(g, units), "recomputed": [], "offloaded": []}
     for u in units:
         kinds = sorted({r.kind for r in u.regions})
         name = "recompute_" + "_".join(kinds) + "_" + u.regions[0].name
-        _outline(gm, u.nodes, lambda sub, u=u, kinds=kinds: RecomputeRegion(sub, {n.name for n in u.recompute}, kinds),
+        outline(gm, u.nodes, lambda sub, u=u, kinds=kinds: RecomputeRegion(sub, {n.name for n in u.recompute}, kinds),
                  name, {"layer": u.regions[0].name, "role": Role.RECOMPUTE, "recompute": kinds})
         flops = recompute_flops(g, u)
         record["recomputed"].append({"regions": _label(u.regions), "nodes": len(u.recompute), "consumers": len(u.consumers), "flops": flops})
@@ -343,11 +301,11 @@ def recompute(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                    f"handle, +{human(flops)}FLOP in backward")
     for u in offloads:
         kinds = sorted({r.kind for r in u.regions})
-        _outline(gm, u.recompute, lambda sub, kinds=kinds: OffloadRegion(sub, cfg.offload_min_bytes, kinds),
+        outline(gm, u.recompute, lambda sub, kinds=kinds: OffloadRegion(sub, cfg.offload_min_bytes, kinds),
                  "offload_" + "_".join(kinds) + "_" + u.regions[0].name, {"layer": u.regions[0].name, "offload": kinds})
         record["offloaded"].append({"regions": _label(u.regions), "nodes": len(u.recompute)})
         ctx.decide(f"offload {_label(u.regions)}: saved tensors >= {cfg.offload_min_bytes} B go to host memory")
-    _stable_toposort(gm.graph)
+    stable_toposort(gm.graph)
     after = profile_activations(gm.graph, gm, ctx.example_inputs)
     record |= {"activation_bytes": after.device_bytes, "offloaded_bytes": after.host_bytes}
     ctx.decide(f"activations per rank {human(baseline, 'B', 1024)} -> {human(after.device_bytes, 'B', 1024)}"

@@ -23,6 +23,8 @@ can account for them without running anything.
 from __future__ import annotations
 
 import contextlib
+import operator
+import re
 from typing import Any, Callable
 
 import torch
@@ -30,6 +32,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.utils.fuser_utils import fuse_as_graphmodule
 from torch.utils.checkpoint import checkpoint
+
+from moecompile.meta import copy_moe
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -187,3 +191,53 @@ def _from_host(packed: Any) -> torch.Tensor:
         return host
     torch.cuda.current_stream(device).wait_event(done)
     return host.to(device, non_blocking=True)
+
+
+# ---------------------------------------------------------------- outlining
+
+
+def outline(gm: fx.GraphModule, nodes: set[fx.Node], make, name: str, meta: dict) -> fx.Node:
+    """Replace ``nodes`` (convex) by one call_module of ``make(fused GraphModule)``."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    ordered = sorted(nodes, key=order.__getitem__)
+    sub, inputs, outputs = fuse_as_graphmodule(gm, ordered, "Unit", always_return_tuple=True)
+    name = re.sub(r"\W", "_", name)
+    while hasattr(gm, name):
+        name += "_"
+    gm.add_submodule(name, make(sub))
+    users = [u for o in outputs for u in o.users if u not in nodes]
+    first_user = min(users, key=order.__getitem__) if users else ordered[-1].next
+    with gm.graph.inserting_before(first_user):
+        call = gm.graph.call_module(name, tuple(inputs))
+        outs = [gm.graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
+    call.meta.update({k: ordered[0].meta[k] for k in ("nn_module_stack", "stack_trace") if k in ordered[0].meta})
+    call.meta["moe"] = meta
+    for orig, new in zip(outputs, outs):
+        orig.replace_all_uses_with(new)
+        new.meta.update({k: v for k, v in orig.meta.items() if k != "moe"})
+        copy_moe(orig, new)
+    for n in reversed(ordered):
+        gm.graph.erase_node(n)
+    return call
+
+
+def stable_toposort(graph: fx.Graph) -> None:
+    """Move each node just after its inputs where an outlined call landed before one of them."""
+    emitted: set[fx.Node] = set()
+    order: list[fx.Node] = []
+    for root in list(graph.nodes):
+        stack = [(root, False)]
+        while stack:
+            n, ready = stack.pop()
+            if n in emitted:
+                continue
+            if ready:
+                emitted.add(n)
+                order.append(n)
+                continue
+            stack.append((n, True))
+            stack.extend((a, False) for a in reversed(n.all_input_nodes) if a not in emitted)
+    out = graph.output_node()
+    for n in order:
+        if n is not out:
+            out.prepend(n)
