@@ -72,9 +72,9 @@ register_moe_formulas()
 
 
 def _sdpa_flop(q, k, v, *args: Any, **kwargs: Any) -> int:
-    """QK^T and PV of attention; key/value heads broadcast to the query heads (GQA)."""
-    *batch, heads, s_q, d_q = q.shape
-    s_k, d_v = k.shape[-2], v.shape[-1]
+    """QK^T and PV of attention (shapes in); key/value heads broadcast to the query heads (GQA)."""
+    *batch, heads, s_q, d_q = q
+    s_k, d_v = k[-2], v[-1]
     bh = heads
     for b in batch:
         bh = bh * b
@@ -103,7 +103,8 @@ class GraphCosts:
     flops_by_role: dict[str, int] = dataclasses.field(default_factory=dict)
     comm_by_op: dict[str, int] = dataclasses.field(default_factory=dict)
     collectives: int = 0  # collective nodes (waits excluded)
-    approximate: bool = False  # some shape was symbolic without a hint, or an op could not be counted
+    approximate: bool = False  # some op or size could not be counted
+    estimated: bool = False  # data-dependent expert rows taken as the rows the layer sends (balanced routing)
 
     @property
     def comm_bytes_step(self) -> int:
@@ -133,13 +134,26 @@ def _concrete(x: Any) -> int | None:
         return None
 
 
-def tensor_bytes(value: Any) -> int | None:
-    """Bytes of a tensor, or of every tensor in a tuple/list; None when a size is unknown."""
+def shape_of(t: torch.Tensor, rows: int | None = None) -> tuple[int, ...] | None:
+    """The tensor's sizes as ints; an unknown (data-dependent) leading size becomes ``rows`` if given."""
+    dims = [_concrete(d) for d in t.shape]
+    if dims and dims[0] is None and rows is not None:
+        dims[0] = rows
+    return None if any(d is None for d in dims) else tuple(dims)  # type: ignore[return-value]
+
+
+def tensor_bytes(value: Any, rows: int | None = None) -> int | None:
+    """Bytes of a tensor, or of every tensor in a tuple/list; None when a size is unknown.
+
+    ``rows`` stands in for an unknown leading size (see :func:`graph_costs`)."""
     if isinstance(value, torch.Tensor):
         numel = _concrete(value.numel())
+        if numel is None:
+            shape = shape_of(value, rows)
+            numel = None if shape is None else int(torch.Size(shape).numel())
         return None if numel is None else numel * value.element_size()
     if isinstance(value, (tuple, list)):
-        parts = [tensor_bytes(v) for v in value if isinstance(v, (torch.Tensor, tuple, list))]
+        parts = [tensor_bytes(v, rows) for v in value if isinstance(v, (torch.Tensor, tuple, list))]
         return None if any(p is None for p in parts) else sum(p for p in parts if p is not None)
     return 0
 
@@ -165,33 +179,113 @@ def _formula_by_name(qualname: str) -> Any:
     namespace, _, name = qualname.partition(".")
     if namespace == "moecompile" and name in _MOE_FORMULAS:
         return shape_wrapper(_MOE_FORMULAS[name])
-    return next((f for k, f in flop_registry.items() if str(k) == qualname), None)
+    if len(_REGISTRY_BY_NAME) != len(flop_registry):
+        _REGISTRY_BY_NAME.clear()
+        _REGISTRY_BY_NAME.update({str(k): f for k, f in flop_registry.items()})
+    return _REGISTRY_BY_NAME.get(qualname)
 
 
-def node_flops(node: fx.Node) -> int | None:
-    """Forward FLOPs of one node (0 for ops without matmul work); None if it could not be counted."""
+_REGISTRY_BY_NAME: dict[str, Any] = {}
+
+
+def _shapes(values: Any, rows: int | None) -> Any:
+    """Every tensor in ``values`` as a tuple of ints (None anywhere if one can't be resolved)."""
+    failed = []
+
+    def one(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            shape = shape_of(v, rows)
+            failed.extend([v] if shape is None else [])
+            return shape
+        return v
+
+    out = torch.utils._pytree.tree_map(one, values)
+    return None if failed else out
+
+
+def node_flops(node: fx.Node, rows: int | None = None) -> int | None:
+    """Forward FLOPs of one node (0 for ops without matmul work); None if it could not be counted.
+
+    ``rows`` stands in for an unknown leading size of the node's tensors (see :func:`graph_costs`)."""
     target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or _is_wait(node):
         return 0
     packet = target.overloadpacket
     args, kwargs = _arg_vals(node)
     try:
-        if packet in _LOCAL_FORMULAS:
-            return _concrete(_LOCAL_FORMULAS[packet](*args, **kwargs))
-        formula = flop_registry.get(packet) or _formula_by_name(str(packet))
+        formula = _LOCAL_FORMULAS.get(packet) or flop_registry.get(packet) or _formula_by_name(str(packet))
         if formula is not None:
-            return _concrete(formula(*args, **kwargs, out_val=node.meta.get("val")))
+            shapes = _shapes((args, kwargs, node.meta.get("val")), rows)
+            if shapes is None:
+                return None
+            (a, k, out) = shapes
+            return _concrete(formula(*a, **k, out_val=out))
         if not torch._C._dispatch_has_kernel_for_dispatch_key(target.name(), "CompositeImplicitAutograd"):
             return 0
-        mode = _fake_mode([args, kwargs])
-        if mode is None:
-            return None
-        with mode, FlopCounterMode(display=False) as counter:
-            target(*args, **kwargs)
-        return _concrete(counter.get_total_flops())
+        return _composite_flops(target, args, kwargs)
     except Exception as e:  # a formula or decomposition that can't take these values
         log.debug("could not count FLOPs of %s: %s", node.format_node(), e)
         return None
+
+
+_COMPOSITE_CACHE: dict[Any, int | None] = {}  # (op, input signature) -> FLOPs; repeated layers hit it
+
+
+def _signature(values: Any) -> Any:
+    """A hashable stand-in for op inputs (tensors by shape, dtype and strides), or None."""
+    leaves, spec = torch.utils._pytree.tree_flatten(values)
+    out = []
+    for v in leaves:
+        if isinstance(v, torch.Tensor):
+            shape, stride = [_concrete(d) for d in v.shape], [_concrete(d) for d in v.stride()]
+            if None in shape or None in stride:
+                return None
+            out.append(("T", tuple(shape), tuple(stride), v.dtype))
+        elif v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            out.append(v)
+        else:
+            return None
+    return (tuple(out), str(spec))
+
+
+def _composite_flops(target: Any, args: tuple, kwargs: dict) -> int | None:
+    """Decompose a composite op (``aten.linear``...) under FlopCounterMode on its fake inputs."""
+    sig = _signature((args, kwargs))
+    key = None if sig is None else (target, sig)
+    if key is not None and key in _COMPOSITE_CACHE:
+        return _COMPOSITE_CACHE[key]
+    mode = _fake_mode([args, kwargs])
+    if mode is None:
+        return None
+    with mode, FlopCounterMode(display=False) as counter:
+        target(*args, **kwargs)
+    flops = _concrete(counter.get_total_flops())
+    if key is not None:
+        if len(_COMPOSITE_CACHE) > 4096:
+            _COMPOSITE_CACHE.clear()
+        _COMPOSITE_CACHE[key] = flops
+    return flops
+
+
+def _is_wait(node: fx.Node) -> bool:
+    """A collective's wait (torch's or moecompile's named one): the same buffer, no work of its own."""
+    name = node.target.name() if isinstance(node.target, torch._ops.OpOverload) else ""
+    return name.endswith("::wait_tensor") or _role(node) == Role.COLLECTIVE_WAIT.value
+
+
+def layer_rows(graph: fx.Graph) -> dict[str, int]:
+    """Rows each MoE layer's ``permute`` hands on: the estimate for rows an expert rank receives in
+    dropless dispatch (data-dependent; with balanced routing a rank receives what it sends)."""
+    out = {}
+    for node in graph.nodes:
+        if str(node.target) == "moecompile.permute.default":
+            val = node.meta.get("val")
+            layer = (node.meta.get("moe") or {}).get("layer")
+            if isinstance(val, (tuple, list)) and isinstance(val[0], torch.Tensor) and layer:
+                rows = _concrete(val[0].shape[0])
+                if rows is not None:
+                    out[layer] = rows
+    return out
 
 
 def _role(node: fx.Node) -> str:
@@ -210,8 +304,8 @@ def is_recomputed(node: fx.Node) -> bool:
 
 def _is_view(node: fx.Node) -> bool:
     target = node.target
-    if target is operator.getitem:
-        return True  # an element of a tuple output, counted with the op that made it
+    if target is operator.getitem or _is_wait(node):
+        return True  # an element of a tuple output (counted with its op), or a collective's own buffer
     schema = getattr(target, "_schema", None)
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
 
@@ -224,15 +318,15 @@ def collective_kind(node: fx.Node) -> str | None:
     return target.name().split("::")[1] if target.namespace in COLLECTIVE_NAMESPACES else None
 
 
-def comm_bytes(node: fx.Node) -> int | None:
+def comm_bytes(node: fx.Node, rows: int | None = None) -> int | None:
     """The collective's payload: its input buffer, or the gathered output for all-gathers."""
     kind = collective_kind(node)
     if kind is None or kind in _NOT_TRANSFERS:
         return 0
     if kind in _OUTPUT_PAYLOAD:
-        return tensor_bytes(node.meta.get("val"))
+        return tensor_bytes(node.meta.get("val"), rows)
     first = node.args[0] if node.args else None
-    return tensor_bytes(_val(first)) if first is not None else 0
+    return tensor_bytes(_val(first), rows) if first is not None else 0
 
 
 def count_tokens(graph: fx.Graph) -> int:
@@ -260,8 +354,20 @@ def graph_costs(graph: fx.Graph | fx.GraphModule) -> GraphCosts:
     flops_by_role: collections.Counter[str] = collections.Counter()
     comm_by_op: collections.Counter[str] = collections.Counter()
     act = recomputed = params = collectives = 0
-    approximate = False
+    approximate = estimated = False
     seen_attrs: set[str] = set()
+    rows_of = layer_rows(graph)
+
+    def measure(fn: Any, *args: Any) -> int | None:
+        """``fn`` on the node's sizes; failing that, with its layer's rows for an unknown row count."""
+        nonlocal approximate, estimated
+        value = fn(*args)
+        if value is None and rows is not None:
+            value = fn(*args, rows)
+            estimated |= value is not None
+        approximate |= value is None
+        return value
+
     for node in graph.nodes:
         val = node.meta.get("val")
         if node.op == "get_attr":
@@ -271,24 +377,19 @@ def graph_costs(graph: fx.Graph | fx.GraphModule) -> GraphCosts:
             continue
         if node.op != "call_function":
             continue
-        flops = node_flops(node)
-        if flops is None:
-            approximate = True
-        elif flops:
+        rows = rows_of.get((node.meta.get("moe") or {}).get("layer"))  # type: ignore[arg-type]
+        flops = measure(node_flops, node)
+        if flops:
             flops_by_op[str(node.target.overloadpacket)] += flops  # type: ignore[union-attr]
             flops_by_role[_role(node) or "dense"] += flops
         kind = collective_kind(node)
-        if kind is not None:
-            payload = comm_bytes(node)
-            approximate |= payload is None
-            if kind not in _NOT_TRANSFERS:
-                collectives += 1
-                comm_by_op[kind] += payload or 0
+        if kind is not None and kind not in _NOT_TRANSFERS:
+            collectives += 1
+            comm_by_op[kind] += measure(comm_bytes, node) or 0
         if _is_view(node):
             continue
-        size = tensor_bytes(val)
+        size = measure(tensor_bytes, val)
         if size is None:
-            approximate = True
             continue
         if is_recomputed(node):
             recomputed += size
@@ -306,6 +407,7 @@ def graph_costs(graph: fx.Graph | fx.GraphModule) -> GraphCosts:
         comm_by_op=dict(comm_by_op),
         collectives=collectives,
         approximate=approximate,
+        estimated=estimated,
     )
 
 

@@ -31,6 +31,15 @@ NOTES = (
     "Activations: bytes of the tensors the forward materialises (views and recomputed nodes excluded). "
     "Comm/step: payload of the graph's functional collectives, x2 for their backward mirrors."
 )
+ESTIMATE_NOTE = (
+    "~: an estimate: data-dependent expert rows (dropless dispatch) taken as the rows the layer sends "
+    "(balanced routing), or an op whose cost could not be read."
+)
+
+
+def notes(rows: list[PassRow]) -> str:
+    rough = any(r.costs is not None and (r.costs.approximate or r.costs.estimated) for r in rows)
+    return NOTES + (" " + ESTIMATE_NOTE if rough else "")
 
 
 @dataclasses.dataclass
@@ -120,14 +129,14 @@ def _cells(row: PassRow, first: bool) -> list[str]:
     nodes = str(row.nodes) if first else f"{row.nodes} (+{row.added}/-{row.removed})"
     params = human(row.params) + ("" if first else _delta(row.params_delta, ("+" if row.params_delta > 0 else "-") + human(abs(row.params_delta))))
     missing = "?"
-    approx = "~" if c is not None and c.approximate else ""
+    approx = "~" if c is not None and (c.approximate or c.estimated) else ""
     return [
         row.name + ("" if row.changed else " (no change)"),
         nodes,
         params,
         missing if c is None else approx + human(c.flops_per_token, "FLOP"),
         missing if c is None else approx + human(c.activation_bytes, "B", 1024),
-        missing if c is None else (human(c.comm_bytes_step, "B", 1024) if c.collectives else "-"),
+        missing if c is None else (approx + human(c.comm_bytes_step, "B", 1024) if c.collectives else "-"),
         f"{row.wall_s * 1e3:.1f} ms",
     ]
 
@@ -156,7 +165,7 @@ def render_plain(rows: list[PassRow]) -> str:
         out.append(fmt(cells))
         out.extend(f"    - {d}" for d in row.decisions)
         out.extend(f"    * {d}" for d in format_data(row.data))
-    out += ["", _summary(rows), NOTES]
+    out += ["", _summary(rows), notes(rows)]
     return "\n".join(line for line in out if line is not None)
 
 
@@ -164,7 +173,7 @@ def render_markdown(rows: list[PassRow]) -> str:
     esc = lambda s: s.replace("|", "\\|")  # noqa: E731
     out = ["# moecompile report", "", _summary(rows), "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     out += ["| " + " | ".join(esc(c) for c in _cells(r, i == 0)) + " |" for i, r in enumerate(rows)]
-    out += ["", f"_{NOTES}_", "", "## What each pass decided", ""]
+    out += ["", f"_{notes(rows)}_", "", "## What each pass decided", ""]
     for row in rows:
         out.append(f"### {row.name}")
         out.append("")
@@ -199,7 +208,7 @@ def render_rich(rows: list[PassRow], width: int | None = None) -> str:
     console = Console(file=buf, force_terminal=True, highlight=False, width=width or shutil.get_terminal_size((120, 40)).columns)
     console.print(table)
     console.print(tree)
-    console.print(f"[dim]{escape(NOTES)}[/dim]")
+    console.print(f"[dim]{escape(notes(rows))}[/dim]")
     return buf.getvalue().rstrip("\n")
 
 

@@ -195,3 +195,51 @@ def test_diff_errors_and_before(result):
     with pytest.raises(MoecompileError, match="nothing ran before it"):
         mc.diff(result, "trace")
     assert mc.diff(result, "upcycle", before="trace").splitlines()[0] == "--- after trace"
+
+
+# ---- after expert_parallel: collectives in a real EP graph --------------------
+
+_EP_SCRIPT = r"""
+import json, sys
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)  # 2 ranks, no real traffic
+import moecompile as mc
+from moecompile.models import build_model
+from moecompile.report import render_report, report_rows
+model, example = build_model("tiny-llama")
+out = {}
+for mode, cf in (("dropless", None), ("static", 2.0)):
+    plan = {"experts": {"num_experts": 4, "top_k": 2}, "parallel": {"ep": 2, "dispatch_mode": mode, "capacity_factor": cf}}
+    result = mc.convert(model, plan, example)
+    row = next(r for r in report_rows(result) if r.name == "expert_parallel")
+    line = next(l for l in render_report(result, style="plain").splitlines() if l.startswith("expert_parallel "))
+    c = row.costs
+    out[mode] = dict(comm=c.comm_by_op, collectives=c.collectives, flops=c.flops_per_token, estimated=c.estimated,
+                     approximate=c.approximate, line=line)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.distributed
+def test_comm_bytes_and_flops_after_expert_parallel(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _EP_SCRIPT], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    dense = DENSE_FLOPS - L * 2 * 3 * H * F + L * 2 * H * E  # everything but the experts, router included
+    # static, capacity 16 per expert per source rank: each rank runs its 2 experts on 2 x 2 x 16 = 64 rows
+    static = got["static"]
+    assert static["comm"] == {"all_to_all_single": L * 2 * 64 * H * 4}  # dispatch + combine of 64 x H rows
+    assert static["collectives"] == 2 * L and not static["estimated"] and not static["approximate"]
+    assert static["flops"] == dense + L * 64 * 2 * 3 * H * F / T
+    assert "64.00 KiB" in static["line"] and "~" not in static["line"]
+    # dropless: counts exchange + dispatch of the 32 rows sent; what arrives is data-dependent, estimated as 32
+    dropless = got["dropless"]
+    assert dropless["comm"] == {"all_to_all_single": L * (E * 8 + 2 * 32 * H * 4)}
+    assert dropless["collectives"] == 3 * L and dropless["estimated"] and not dropless["approximate"]
+    assert dropless["flops"] == MOE_FLOPS
+    assert "~72.19 KFLOP" in dropless["line"] and "~32.12 KiB" in dropless["line"]

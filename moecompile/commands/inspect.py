@@ -79,9 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="draw only this layer in every picture: an index of a repeating block (0) or a module path")
     p.add_argument("--formats", default="html,svg", metavar="FMT,...",
                    help="pictures per pass, from html, svg, png, dot (default html,svg)")
-    p.add_argument("--svg-max-nodes", type=int, default=2500, metavar="N",
+    p.add_argument("--svg-max-nodes", type=int, default=1000, metavar="N",
                    help="above N nodes, graphviz pictures show the first repeating layer open and the others "
-                        "collapsed (graphviz gets slow on big graphs); default 2500")
+                        "collapsed (graphviz takes minutes on a few thousand nodes); default 1000")
     p.add_argument("--style", choices=("rich", "plain", "markdown"), default=None,
                    help="how to print the report (default: rich on a terminal, plain otherwise)")
     p.add_argument("--quiet", action="store_true", help="write the files, print only where they are")

@@ -7,11 +7,14 @@ filled by role. A collapsed group is drawn as one box. In the SVG each node is
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 
 from ..errors import MoecompileError
 from .model import GraphView
+
+log = logging.getLogger(__name__)
 
 
 def _quote(text: str) -> str:
@@ -38,6 +41,14 @@ def build_dot(view: GraphView):  # -> pydot.Dot
         raise MoecompileError("SVG/PNG/DOT output needs pydot: pip install 'moecompile[viz]'") from e
     graph = pydot.Dot(graph_type="digraph", rankdir="TB", compound="true", label=_quote(view.title), labelloc="t",
                       fontname="Helvetica", nodesep="0.25", ranksep="0.35", newrank="true")
+    if len(view.nodes) > 300:
+        # graphviz's network-simplex placement grows far worse than linearly with clusters and long
+        # edges (767 nodes: minutes); one iteration each keeps big graphs to seconds
+        graph.set("nslimit", "1")
+        graph.set("nslimit1", "1")
+    if len(view.nodes) > 1000:  # crossing minimisation next: 2,000 nodes still take minutes (layer= / collapse=)
+        graph.set("mclimit", "0.1")
+        graph.set("remincross", "false")
     graph.set_node_defaults(shape="box", style="filled,rounded", fontname="Helvetica", fontsize="10", height="0.3")
     graph.set_edge_defaults(color="#6b7280", arrowsize="0.6")
     rep = _visible_rep(view)
@@ -60,7 +71,7 @@ def build_dot(view: GraphView):  # -> pydot.Dot
         if rep[n.id] != f"n{n.id}":
             continue
         label = n.label + (f"\n{n.detail}" if n.detail else "")
-        attrs = dict(label=_quote(label), fillcolor=n.color, tooltip=_quote(f"{n.name}: {n.target}"),
+        attrs = dict(label=_quote(label), fillcolor=n.color, fontcolor=n.ink, tooltip=_quote(f"{n.name}: {n.target}"),
                      id=_quote(f"node-{n.name}"))
         if n.new:
             attrs.update(penwidth="2.5", color="#dc2626")
@@ -83,6 +94,10 @@ def render_dot(view: GraphView, path: Path) -> Path:
     if fmt in ("dot", "gv"):
         path.write_text(graph.to_string())
         return path
+    drawn = len(set(_visible_rep(view).values()))
+    if drawn > 1000:
+        log.warning("graphviz lays out %d nodes slowly (minutes for a few thousand): draw one layer (layer=), "
+                    "collapse groups (collapse=), or write .html", drawn)
     if shutil.which("dot") is None:
         raise MoecompileError(
             f"writing {path.name} needs graphviz's `dot` on PATH (Debian: apt-get install graphviz); "

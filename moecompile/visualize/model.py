@@ -72,6 +72,12 @@ def color_of(role: str | None, op: str) -> str:
     return ROLE_COLORS.get(role or "", OP_COLORS.get(op, "#ffffff"))
 
 
+def ink_of(fill: str) -> str:
+    """Text colour that reads on ``fill``: white on dark fills, near-black otherwise."""
+    r, g, b = (int(fill[i:i + 2], 16) for i in (1, 3, 5))
+    return "#ffffff" if 0.299 * r + 0.587 * g + 0.114 * b < 140 else "#111827"
+
+
 @dataclasses.dataclass
 class ViewNode:
     id: int
@@ -84,6 +90,7 @@ class ViewNode:
     role: str | None
     color: str
     inputs: list[int]
+    ink: str = "#111827"  # text colour on ``color``
     users: list[int] = dataclasses.field(default_factory=list)
     values: list[str] = dataclasses.field(default_factory=list)  # "[2, 8, 32] float32" per output
     module: str = ""
@@ -184,7 +191,7 @@ def _short_dtype(dtype: torch.dtype) -> str:
 
 def _detail(val: Any) -> str:
     if isinstance(val, torch.Tensor):
-        dims = "x".join(str(d) for d in val.shape) or "scalar"
+        dims = "x".join(str(d) if isinstance(d, int) else f"({str(d).replace(' ', '')})" for d in val.shape) or "scalar"
         return f"{dims} {_short_dtype(val.dtype)}"
     if isinstance(val, (tuple, list)):
         parts = [_detail(v) for v in val if isinstance(v, torch.Tensor)]
@@ -295,7 +302,8 @@ def build_view(graph: fx.Graph, title: str = "graph", new_names: Iterable[str] |
         val = n.meta.get("val")
         view_nodes.append(ViewNode(
             id=index[n], name=n.name, op=n.op, target=str(n.target), label=_label(n), detail=_detail(val),
-            group=gid, role=role, color=color_of(role, n.op), inputs=[index[i] for i in n.all_input_nodes],
+            group=gid, role=role, color=color_of(role, n.op), ink=ink_of(color_of(role, n.op)),
+            inputs=[index[i] for i in n.all_input_nodes],
             values=_value_text(val), module=groups[gid].path, moe=json_safe(n.meta.get("moe") or {}),
             stack=_user_frame(n.meta.get("stack_trace") or ""),
             new=n.name in new, recompute=is_recomputed(n),

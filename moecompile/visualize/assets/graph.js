@@ -174,8 +174,8 @@
           state.selected === n.id ? "selected" : ""].filter(Boolean).join(" ");
         const grp = el("g", { class: cls, "data-id": n.id, "data-name": n.name, "data-role": n.role || "", transform: `translate(${b.x},${b.y})` }, nLayer);
         el("rect", { width: b.w, height: b.h, rx: 4, fill: n.color }, grp);
-        el("text", { x: b.w / 2, y: n.detail ? 14 : 21, "text-anchor": "middle", "font-weight": 600 }, grp).textContent = n.label;
-        if (n.detail) el("text", { class: "detail", x: b.w / 2, y: 27, "text-anchor": "middle" }, grp).textContent = n.detail;
+        el("text", { x: b.w / 2, y: n.detail ? 14 : 21, "text-anchor": "middle", "font-weight": 600, fill: n.ink }, grp).textContent = n.label;
+        if (n.detail) el("text", { class: "detail", x: b.w / 2, y: 27, "text-anchor": "middle", style: `fill:${n.ink};opacity:.75` }, grp).textContent = n.detail;
         el("title", {}, grp).textContent = n.name + (n.role ? " [" + n.role + "]" : "");
       }
     });
