@@ -30,10 +30,23 @@ class ConversionResult:
     example_kwargs: dict[str, Any]
     context: PassContext = dataclasses.field(repr=False)
 
-    def report(self) -> str:
+    def report(self, style: str | None = None) -> str:
+        """What every pass did (rich on a terminal, else plain; or style="markdown")."""
         from .report import render_report
 
-        return render_report(self)
+        return render_report(self, style)  # type: ignore[arg-type]
+
+    def diff(self, pass_name: str, mode: str = "code", **kwargs: Any) -> str:
+        """``moecompile.diff(self, pass_name, mode)``: the graph before and after a pass."""
+        from .diff import diff
+
+        return diff(self, pass_name, mode, **kwargs)  # type: ignore[arg-type]
+
+    def visualize(self, path: Any, after: str | None = None, layer: Any = None, **kwargs: Any) -> Any:
+        """``moecompile.visualize(self, path, after, layer)``: draw the graph after a pass."""
+        from .visualize import visualize
+
+        return visualize(self, path, after=after, layer=layer, **kwargs)
 
     def record(self, pass_name: str) -> PassRecord:
         for r in self.history:

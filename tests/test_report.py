@@ -189,6 +189,11 @@ def test_node_diff_counts_and_names_changes(result, rows):
     assert "unchanged" not in full and len(full.splitlines()) > len(text.splitlines())
 
 
+def test_result_methods(result):
+    assert result.diff("upcycle", "nodes") == mc.diff(result, "upcycle", mode="nodes")
+    assert result.report("markdown") == render_report(result, style="markdown")
+
+
 def test_diff_errors_and_before(result):
     with pytest.raises(MoecompileError, match="no pass named 'nope' ran; ran: trace, find_ffn, upcycle"):
         mc.diff(result, "nope")

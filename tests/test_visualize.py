@@ -114,7 +114,7 @@ def test_visualize_picks_the_pass_and_marks_what_it_added(result, tmp_path):
 
 
 def test_html_is_self_contained(result, tmp_path):
-    text = visualize(result, tmp_path / "g.html").read_text()
+    text = result.visualize(tmp_path / "g.html", after="upcycle").read_text()
     assert "<script src" not in text and "<link" not in text and "@import" not in text
     urls = set(re.findall(r"https?://[^\s\"')]+", text))
     assert urls <= {"http://www.w3.org/2000/svg"}, urls
