@@ -120,6 +120,7 @@ def worker(impl: str, config: str, dt: str, threads: int, warmup: int, iters: in
     times = _time(step, warmup, iters)
     rec["ms"] = 1e3 * statistics.median(times)
     rec["ms_all"] = [1e3 * t for t in times]
+    rec["ms_min"], rec["ms_max"] = 1e3 * min(times), 1e3 * max(times)  # per-iteration spread of one round
     return rec
 
 
@@ -152,7 +153,9 @@ def summarize(rounds: list[list[dict]]) -> list[dict]:
             r.update(gflops=statistics.median(vals), gflops_min=min(vals), gflops_max=max(vals))
         elif "ms" in r:
             vals = [x["ms"] for x in rs if "ms" in x]
-            r.update(ms=statistics.median(vals), ms_min=min(vals), ms_max=max(vals), rounds=len(vals))
+            if len(vals) > 1:  # spread over rounds (medians); with one round the per-iteration spread stays
+                r.update(ms_min=min(vals), ms_max=max(vals))
+            r.update(ms=statistics.median(vals), rounds=len(vals))
         out.append(r)
     return out
 
