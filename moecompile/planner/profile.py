@@ -326,7 +326,12 @@ def measure_activations(result: Any, micro_batch: int) -> Memory:
         c = costs.graph_costs(result.history[-1].graph)
         return Memory(float(c.activation_bytes), None,
                       "moecompile.costs activation_bytes (moecompile.memory not available)", None)
-    est = estimate_memory(result, batch=micro_batch, by_pass=False)
+    try:
+        est = estimate_memory(result, batch=micro_batch, by_pass=False)
+    except MoecompileError as e:  # e.g. a graph whose shapes depend on the data (expert parallelism)
+        c = costs.graph_costs(result.history[-1].graph)
+        return Memory(float(c.activation_bytes), None, f"moecompile.costs activation_bytes (the memory estimator "
+                      f"could not run: {str(e).splitlines()[0][:120]})", None)
     by_layer: dict[int | None, float] = {}
     for layer, cats in est.by_layer.items():
         idx = _layer_of(layer)
