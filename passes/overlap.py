@@ -40,6 +40,7 @@ from moecompile import schedule
 from moecompile.distributed import ALL_TO_ALL, World
 from moecompile.meta import Role, moe
 from moecompile.pass_manager import PassContext, register_pass, register_verifier
+from moecompile.shapes import propagate_fake
 
 from . import overlap_auto
 from .overlap_chunks import EXPERT_ROLES, MoELayer, chunk_slots, chunk_tokens, find_layers
@@ -74,6 +75,8 @@ def overlap(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 reason = "static allgather buckets by (source, expert) over the gathered batch; chunks would change drops"
             if reason:
                 why, n = f"not chunked: {reason}", 1
+            else:
+                propagate_fake(gm, ctx.example_inputs)  # the chunks' values (dtypes) for what follows
         layer = next(m for m in find_layers(gm) if m.name == layer.name)
         if cfg.backward and par.dispatcher == "alltoall":
             _make_async(gm, layer)

@@ -21,7 +21,7 @@ Rules (the cross-section ones are checked in ``Plan.validate``):
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Any
 
 from .section import Section, doc_field
 
@@ -36,7 +36,7 @@ class OverlapConfig(Section):
     name = "overlap"
 
     enabled: bool = doc_field(False, "Schedule each MoE layer's dispatch/combine exchanges to overlap with compute.")
-    chunks: Union[int, Literal["auto"]] = doc_field(
+    chunks: Any = doc_field(
         "auto",
         "Token chunks N per MoE layer (>= 1; 1 only reorders starts and waits), or 'auto': pick N from a "
         "cost model of measured expert compute time per row against the measured exchange latency and "
@@ -52,8 +52,9 @@ class OverlapConfig(Section):
     )
 
     def validate(self) -> None:
-        if isinstance(self.chunks, int) and not 1 <= self.chunks <= MAX_CHUNKS:
-            self.fail("chunks", f"must be between 1 and {MAX_CHUNKS}, or 'auto'")
+        ok = self.chunks == "auto" or (type(self.chunks) is int and 1 <= self.chunks <= MAX_CHUNKS)
+        if not ok:
+            self.fail("chunks", f"must be an integer between 1 and {MAX_CHUNKS}, or 'auto'")
 
     def check_against(self, parallel: "ParallelConfig") -> None:
         """Rules between ``overlap`` and ``parallel`` (called by ``Plan.validate``)."""
