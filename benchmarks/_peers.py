@@ -68,13 +68,14 @@ def _moecompile(w: Weights, k: int, dtype: torch.dtype) -> Built:
 
     dense = Block().to(dtype)
     plan = mc.Plan.from_dict({"experts": {"num_experts": E, "top_k": k, "aux_loss": "none"}})
-    result = mc.convert(dense, plan, (w.x.to(dtype),))
+    # [1, T, H] like a model's hidden states: a 2-D [T, H] example made the converted graph allocate T*T*H
+    result = mc.convert(dense, plan, (w.x.to(dtype)[None],))
     params = dict(result.module.named_parameters())
     with torch.no_grad():
         params["mlp.experts.w_gate_up"].copy_(w.w_gate_up)
         params["mlp.experts.w_down"].copy_(w.w_down)
         params["mlp.router.weight"].copy_(w.router)
-    return result.module, list(params.values())
+    return (lambda x: result.module(x[None])[0]), list(params.values())
 
 
 def _hf(cls_path: str, config_cls: str, w: Weights, k: int, dtype: torch.dtype, impl: str, **cfg) -> Built:

@@ -258,7 +258,7 @@ def main() -> None:
                     r = _spawn(impl, config, dt, a)
                     res.append(r)
                     msg = f"{r['ms']:.1f} ms" if "ms" in r else (f"{r['gflops']:.0f} GFLOP/s" if "gflops" in r
-                                                                 else "not run")
+                                                                 else f"not run: {r.get('error')}")
                     print(f"  round {rnd + 1}: {config} {dt} {impl}: {msg}", file=sys.stderr, flush=True)
         rounds.append(res)
     rows = summarize(rounds)
