@@ -197,13 +197,13 @@ def _describe(gm: fx.GraphModule, layer: str, n: int, why: str) -> dict:
         if moe(s).get("layer") != layer:
             continue
         labels: list[str] = []
-        for m in schedule.between(graph, s, w):
-            if schedule.is_free(m) or schedule.is_start(m) or schedule.is_wait(m):
-                continue
+        work = [m for m in schedule.between(graph, s, w)
+                if not (schedule.is_free(m) or schedule.is_start(m) or schedule.is_wait(m))]
+        for m in work:
             if _label(m) not in labels:
                 labels.append(_label(m))
         collectives.append({"chunk": moe(s).get("chunk") or 0, "what": _what(w), "start": s.name, "wait": w.name,
-                            "overlaps": labels})
+                            "overlaps": labels, "nodes": [m.name for m in work]})
     for m in _window(graph, layer):
         if schedule.is_start(m) or schedule.is_wait(m):
             item = f"{'start' if schedule.is_start(m) else 'wait'} {_what(next(iter(m.users)) if schedule.is_start(m) else m)}"

@@ -69,10 +69,11 @@ def choose(costs: LayerCosts, max_n: int) -> tuple[int, str]:
     n = min(k for k, v in table.items() if v <= best * 1.02)
     t1, c1 = costs.simulate(1)
     tn, cn = costs.simulate(n)
+    bw = f"{1e-9 / costs.s_per_byte:.2f} GB/s" if costs.s_per_byte > 0 else "no measurable per-byte cost"
     shown = ", ".join(f"N={k} {v * 1e3:.2f} ms" for k, v in table.items() if k in (1, 2, 4, n, max_n))
     why = (
         f"experts {costs.x0_s * 1e3:.3f} ms + {costs.x1_s * 1e6:.3f} us/row x {costs.rows} rows, exchange "
-        f"{costs.latency_s * 1e3:.3f} ms + {costs.payload_bytes / 1e6:.3f} MB at {1e-9 / max(costs.s_per_byte, 1e-18):.2f} GB/s; "
+        f"{costs.latency_s * 1e3:.3f} ms + {costs.payload_bytes / 1e6:.3f} MB at {bw}; "
         f"predicted layer {shown}; exposed comm {max(t1 - c1, 0) * 1e3:.2f} -> {max(tn - cn, 0) * 1e3:.2f} ms"
     )
     return n, why
