@@ -132,6 +132,8 @@ def scan_graph(graph: fx.Graph, nodes: Callable[[fx.Node], bool] = lambda n: Tru
         op = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
         if n.op == "call_method" and n.target in HOST_SYNC_METHODS:
             found.append(Finding(n.name, f".{n.target}()", "reads a tensor on the host", layer, role))
+        elif n.target is aten.repeat_interleave.Tensor and n.kwargs.get("output_size") is not None:
+            continue  # the output size is given: nothing to read back
         elif n.target in HOST_SYNC_OPS:
             found.append(Finding(n.name, str(n.target), HOST_SYNC_OPS[n.target], layer, role))
         elif any(_data_dependent(a) for a in (*n.args, *n.kwargs.values())):

@@ -101,6 +101,12 @@ class TrainStep:
         if not params:
             raise MoecompileError("the converted module has no parameters to train")
         self.device = next(iter(params.values())).device
+        elsewhere = [n for n, t in [*params.items(), *self.module.named_buffers()] if t.device != self.device]
+        if elsewhere:
+            raise MoecompileError(
+                f"the converted module's tensors are on more than one device: {elsewhere[:3]} are not on "
+                f"{self.device}; move the module (result.module.to(device)) or convert the model on one device"
+            )
         self.precision = precision or ("bf16" if self.device.type == "cuda" else "fp32")
         if self.precision not in PRECISIONS:
             raise MoecompileError(f"precision {self.precision!r} is not one of {PRECISIONS}")
