@@ -26,6 +26,7 @@ events from ``torch.profiler``; CUDA: ``torch.cuda`` allocator stats), which
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import re
 from typing import Any, Callable
@@ -134,7 +135,7 @@ def _storage(t: torch.Tensor) -> int:
 class _FakeRun:
     """Runs a graph on fake tensors, node by node, recording what autograd saves."""
 
-    def __init__(self, root: torch.nn.Module, mode: FakeTensorMode):
+    def __init__(self, root: torch.nn.Module, mode: FakeTensorMode | None):
         self.root, self.mode = root, mode
         self.tensors: dict[int, SavedTensor] = {}
         self.keep: list[torch.Tensor] = []  # fake storages stay alive, so their ids stay unique
@@ -166,13 +167,20 @@ class _FakeRun:
 
     def attr(self, node: fx.Node) -> Any:
         target = str(node.target)
+        if self.mode is None:  # a real run: the module's own tensors
+            obj: Any = self.root
+            for part in target.split("."):
+                obj = getattr(obj, part)
+            if isinstance(obj, torch.Tensor):
+                self.params.add(_storage(obj))
+            return obj
         val = node.meta.get("val")
         try:
             is_param: bool | None = self.root.get_parameter(target).requires_grad
         except AttributeError:
             is_param = None
         if not isinstance(val, torch.Tensor):
-            obj: Any = self.root
+            obj = self.root
             for part in target.split("."):
                 obj = getattr(obj, part)
             if not isinstance(obj, torch.Tensor):
@@ -193,7 +201,8 @@ class _FakeRun:
         for node in graph.nodes:
             if node.op == "placeholder":
                 value = next(args_iter)
-                env[node] = self.mode.from_tensor(value) if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor) else value
+                fake = self.mode is not None and isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor)
+                env[node] = self.mode.from_tensor(value) if fake else value
             elif node.op == "get_attr":
                 env[node] = self.attr(node) if root is self.root else getattr(root, str(node.target))
             elif node.op == "output":
@@ -262,11 +271,14 @@ class _FakeRun:
             self.flops[node.name] = sum(t.numel() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
-def profile_activations(graph: fx.Graph, root: torch.nn.Module, inputs: list[Any]) -> ActivationProfile:
-    """Run ``graph`` (nodes resolved against ``root``) on fake ``inputs``; see the module doc."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    run = _FakeRun(root, mode)
-    with mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(run.pack, lambda t: t):
+def profile_activations(graph: fx.Graph, root: torch.nn.Module, inputs: list[Any], *, real: bool = False) -> ActivationProfile:
+    """Run ``graph`` (nodes resolved against ``root``) on fake ``inputs``; see the module doc.
+
+    ``real=True`` runs it for real instead (same accounting): a measurement, node by node.
+    """
+    mode = None if real else FakeTensorMode(allow_non_fake_inputs=True)
+    run = _FakeRun(root, mode)  # type: ignore[arg-type]
+    with mode or contextlib.nullcontext(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(run.pack, lambda t: t):
         out = run.run(graph, list(inputs))
     outputs = {_storage(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)} - run.params
     for t in pytree.tree_leaves(out):

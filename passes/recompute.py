@@ -43,6 +43,8 @@ _ROLES = {
     "moe_act": {Role.EXPERT_ACT},
     "shared_experts": {Role.SHARED_EXPERTS},
 }
+_ACTS = {torch.ops.moecompile.glu.default, torch.ops.aten.silu.default, torch.ops.aten.gelu.default,
+         torch.ops.aten.relu.default}
 
 
 @dataclasses.dataclass
@@ -68,6 +70,8 @@ def find_regions(gm: fx.GraphModule, kinds: list[str]) -> list[Region]:
         for kind, roles in _ROLES.items():
             if role in roles:
                 keys.append((kind, layer))
+        if role == Role.SHARED_EXPERTS and n.target in _ACTS:  # the shared experts' activation is an expert's too
+            keys.append(("moe_act", layer))
         if layer in moe_layers:
             keys.append(("moe", layer))
         if role == Role.FFN:

@@ -28,7 +28,7 @@ class RecomputeConfig(Section):
 
     modules: list = doc_field(
         [],
-        "Regions to recompute: 'router', 'moe_act' (expert activation), 'layernorm', 'shared_experts', "
+        "Regions to recompute: 'router', 'moe_act' (the activation of routed and shared experts), 'layernorm', 'shared_experts', "
         "'moe' (whole MoE block), 'attention', 'mlp' (FFNs left dense). With a budget: the candidates.",
     )
     budget: Union[None, int, float, str] = doc_field(
