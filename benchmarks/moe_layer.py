@@ -93,6 +93,9 @@ def worker(impl: str, config: str, dt: str, threads: int, warmup: int, iters: in
     try:
         # torch grouped_mm has no float64 kernel: the reference of a grouped_mm peer is its eager twin
         ref_impl = impl.replace("_grouped_mm", "_eager") if impl.endswith("_grouped_mm") else impl
+        # moecompile's layer in float64 tries to allocate T*T*H (64 GiB at the base config); its routing is
+        # Mixtral's (softmax, top-k, renormalise), so the float64 HF Mixtral eager block is its reference
+        ref_impl = "hf_mixtral_eager" if impl == "moecompile" else ref_impl
         fn64, _ = BUILDERS.get(ref_impl, BUILDERS[impl])(w, c["k"], torch.float64)
         x64 = w.x.clone().requires_grad_(True)
         y64 = fn64(x64)
