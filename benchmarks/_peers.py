@@ -90,6 +90,7 @@ def _hf(cls_path: str, config_cls: str, w: Weights, k: int, dtype: torch.dtype, 
     E, F2, H = w.w_gate_up.shape
     config = getattr(transformers, config_cls)(hidden_size=H, num_experts_per_tok=k, experts_implementation=impl,
                                                **cfg)
+    torch.manual_seed(0)  # weights not in Weights (DeepSeek's shared expert) match between timed and reference build
     block = block_cls(config).to(dtype)
     with torch.no_grad():
         block.experts.gate_up_proj.copy_(w.w_gate_up)
