@@ -9,10 +9,17 @@ exactly for indices, layouts and fp8 bytes, within a per-dtype tolerance for
 floats. `@example`s pin the awkward shapes (an expert with no tokens, one
 token, k = E, hidden sizes that are not a power of two, E = 64). The
 `*_many` twins run the same properties with many more examples (slow).
+
+The interpreter must be on before `triton` itself is imported (its own jit
+helpers, tl.max and friends, are decorated then). In a session where
+something imported triton first (torch._dynamo does), these tests skip and
+`test_suite_in_a_fresh_interpreter_process` reruns this file in a child.
 """
 import os
+import subprocess
+import sys
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the first Triton body is imported (backend loads them lazily)
+os.environ["TRITON_INTERPRET"] = "1"  # before triton and the Triton bodies are imported
 
 import pytest  # noqa: E402
 
@@ -31,12 +38,42 @@ TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=5e-2
        torch.float64: dict(atol=1e-10, rtol=1e-10)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _interpreted():
+def _interpreter_usable() -> bool:
+    """Was triton imported with the interpreter on (so its own jit helpers are interpreted)?"""
+    import triton.language.standard as std
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(std.max, InterpretedFunction)
+
+
+IN_PROCESS = _interpreter_usable()
+
+
+@pytest.fixture(autouse=True)
+def _interpreted(request):
+    if request.node.name == "test_suite_in_a_fresh_interpreter_process":
+        return
+    if not IN_PROCESS:
+        pytest.skip("triton was imported before TRITON_INTERPRET=1; the fresh-process test runs these")
     with backend.use("triton"):
         mk.glu(torch.randn(1, 2))  # imports the first Triton module
     if not backend.interpreting():
         pytest.skip("the Triton bodies were imported compiled (TRITON_INTERPRET unset at first use)")
+
+
+def test_suite_in_a_fresh_interpreter_process(request):
+    if IN_PROCESS:
+        pytest.skip("the interpreter works in this process: the tests above ran here")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+           "-m", request.config.getoption("markexpr") or "not slow"]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"interpreter suite timed out after {e.timeout} s: {cmd}")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    assert " passed" in out and "1 skipped" in out, out[-2000:]  # it ran here, and skipped only itself
 
 
 def both(fn):
