@@ -41,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         if args.fp8:
             space = dataclasses.replace(space, fp8_recipes=tuple(r for r in args.fp8.split(",") if r))
         report = plan_for(args.model, args.cluster, gpus=args.gpus, global_batch=args.global_batch,
-                          seq_len=args.seq_len, experts=experts, space=space)
+                          seq_len=args.seq_len, experts=experts, space=space,
+                          progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
     except (MoecompileError, json.JSONDecodeError) as e:
         print(f"moecompile plan: {e}", file=sys.stderr)
         return 2

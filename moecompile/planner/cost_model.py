@@ -249,7 +249,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
     scale = times.scale
     terms: list[Term] = []
 
-    fwd = rc = exp_fwd = shared_fwd = 0.0
+    fwd = rc = 0.0
     a2a_exposed = tp_comm = 0.0
     a2a_detail = ""
     par = cand.plan.parallel
@@ -257,9 +257,6 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
         lt = times.layer(lp)
         fwd += lt["total"] * lp.count
         rc += lt["recompute"] * lp.count
-        if lp.kind == "moe":
-            exp_fwd += lt["experts"] * lp.count
-            shared_fwd += lt["shared"] * lp.count
         if lp.kind == "moe" and ep > 1:
             if par.dispatcher == "allgather":
                 payload = lp.hidden_bytes * scale / tp * ep  # gather every peer's tokens, reduce-scatter back

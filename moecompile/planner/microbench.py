@@ -29,20 +29,26 @@ from .cluster import Cluster, Link
 _SMALL, _LARGE = 64 * 2**10, 4 * 2**20  # all-to-all payload per rank, bytes
 
 
-def _timed(fn: Any, repeats: int, warmup: int = 2) -> float:
+def _timed(fn: Any, repeats: int, warmup: int = 2, clock: Callable[[], float] = time.perf_counter) -> float:
     """The fastest of ``repeats`` runs: on a shared machine the minimum is the least-contended sample."""
     for _ in range(warmup):
         fn()
     samples = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t = clock()
         fn()
-        samples.append(time.perf_counter() - t)
+        samples.append(clock() - t)
     return min(samples)
 
 
-def measure_rank(world: int) -> dict[str, float]:
-    """This rank's share of the microbenchmarks (all ranks call it together; gloo is up if world > 1)."""
+def measure_rank(world: int, cpu_time: bool = False) -> dict[str, float]:
+    """This rank's share of the microbenchmarks (all ranks call it together; gloo is up if world > 1).
+
+    ``cpu_time``: time compute, copy and op overhead by this process's CPU time instead of the wall
+    clock (with one thread per rank: the time the work takes when no other process competes for the
+    core). The all-to-all is always wall-clock time: waiting for peers is its cost.
+    """
+    clock = time.process_time if cpu_time else time.perf_counter
     import torch.distributed as dist
 
     def sync() -> None:
@@ -53,14 +59,14 @@ def measure_rank(world: int) -> dict[str, float]:
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
     sync()
-    out["matmul_flops"] = 2 * n**3 / _timed(lambda: torch.mm(a, b), 10)
+    out["matmul_flops"] = 2 * n**3 / _timed(lambda: torch.mm(a, b), 10, clock=clock)
     x = torch.randn(32 * 2**20)
     y = torch.empty_like(x)
     sync()
-    out["copy_bw"] = 2 * x.numel() * 4 / _timed(lambda: y.copy_(x), 10)
+    out["copy_bw"] = 2 * x.numel() * 4 / _timed(lambda: y.copy_(x), 10, clock=clock)
     p, q = torch.ones(1, requires_grad=True), torch.ones(1)
     sync()
-    out["op_s"] = _timed(lambda: [torch.add(p, q) for _ in range(200)], 10) / 200
+    out["op_s"] = _timed(lambda: [torch.add(p, q) for _ in range(2000)], 5, clock=clock) / 2000
     if world > 1:
         for size, key in ((_SMALL, "a2a_small"), (_LARGE, "a2a_large")):
             send = torch.zeros(size // 4)
