@@ -205,6 +205,7 @@ def test_html_renders_every_node(page, graph):
     assert fills == [ROLE_COLORS["experts"]] * 4
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shot = ARTIFACTS / "graph_after_upcycle.png"
+    _click_node(page, "grouped_mm")  # the MoE block in view, its first expert GEMM's metadata in the panel
     page.screenshot(path=str(shot))
     assert shot.stat().st_size > 10_000
 
