@@ -30,7 +30,9 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 import moecompile.kernels  # noqa: F401  (registers torch.ops.moecompile.*)
 import moecompile.kernels.fp8_linear  # noqa: F401  (fp8_linear, fp8_grouped_linear)
+from moecompile.costs import human
 from moecompile.graph import add_parameter, module_chain, module_path
+from moecompile.memory import profile_activations
 from moecompile.meta import Role, copy_moe, moe
 from moecompile.pass_manager import PassContext, register_pass, register_verifier
 
@@ -91,6 +93,7 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         ctx.decide("fp8.recipe is 'none' (or fp8.modules empty): every GEMM stays in high precision")
         ctx.record(fp8={"recipe": cfg.recipe, "converted": {}, "kept": {}})
         return PassResult(gm, False)
+    before = profile_activations(gm.graph, gm, ctx.example_inputs).device_bytes
     layers = [i for n in gm.graph.nodes if (i := layer_index(n)) is not None]
     kept_layers = cfg.kept_layers(max(layers) + 1) if layers else set()
     converted: dict[str, list[str]] = {}
@@ -117,7 +120,10 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         + (f", layers {sorted(kept_layers)}" if kept_layers else "")
         + (f", {len(kept['not selected'])} GEMMs not in fp8.modules" if kept["not selected"] else "")
     )
-    ctx.record(fp8={"recipe": cfg.recipe, "format": cfg.format, "converted": converted, "kept": kept})
+    after = profile_activations(gm.graph, gm, ctx.example_inputs).device_bytes
+    ctx.decide(f"activations per rank {human(before, 'B', 1024)} -> {human(after, 'B', 1024)} (float8 copies saved for backward)")
+    ctx.record(fp8={"recipe": cfg.recipe, "format": cfg.format, "converted": converted, "kept": kept,
+                    "activation_bytes": {"before": before, "after": after}})
     return PassResult(gm, bool(total))
 
 
