@@ -34,7 +34,8 @@ aten = torch.ops.aten
 
 COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d_functional")
 # Ops that neither move bytes themselves nor start a transfer.
-_NOT_TRANSFERS = {"wait_tensor"}
+_NOT_TRANSFERS = {"wait_tensor", "a2a_wait"}
+_MOE_COLLECTIVES = {"a2a_start", "a2a_wait", "wait_tensor"}  # torch.ops.moecompile.*
 # Collectives whose payload is their output (the gathered buffer), not their input.
 _OUTPUT_PAYLOAD = {"all_gather_into_tensor", "all_gather_into_tensor_coalesced"}
 
@@ -270,7 +271,7 @@ def _composite_flops(target: Any, args: tuple, kwargs: dict) -> int | None:
 def _is_wait(node: fx.Node) -> bool:
     """A collective's wait (torch's or moecompile's named one): the same buffer, no work of its own."""
     name = node.target.name() if isinstance(node.target, torch._ops.OpOverload) else ""
-    return name.endswith("::wait_tensor") or _role(node) == Role.COLLECTIVE_WAIT.value
+    return name.endswith(("::wait_tensor", "::a2a_wait")) or _role(node) == Role.COLLECTIVE_WAIT.value
 
 
 def layer_rows(graph: fx.Graph) -> dict[str, int]:
@@ -311,17 +312,24 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def collective_kind(node: fx.Node) -> str | None:
-    """``all_to_all_single`` etc. for a functional-collective node (waits included), else None."""
+    """The op name (``all_to_all_single``, ``a2a_start``, ``wait_tensor``...) of a collective node or
+    its wait: torch's functional collectives, moecompile's own, or any op a pass gave a collective role."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return None
-    return target.name().split("::")[1] if target.namespace in COLLECTIVE_NAMESPACES else None
+    name = target.name().split("::")[1]
+    if target.namespace in COLLECTIVE_NAMESPACES:
+        return name
+    if target.namespace == "moecompile" and name in _MOE_COLLECTIVES:
+        return name
+    role = _role(node)
+    return name if role in (Role.COLLECTIVE_START.value, Role.COLLECTIVE_WAIT.value) else None
 
 
 def comm_bytes(node: fx.Node, rows: int | None = None) -> int | None:
     """The collective's payload: its input buffer, or the gathered output for all-gathers."""
     kind = collective_kind(node)
-    if kind is None or kind in _NOT_TRANSFERS:
+    if kind is None or kind in _NOT_TRANSFERS or _is_wait(node):
         return 0
     if kind in _OUTPUT_PAYLOAD:
         return tensor_bytes(node.meta.get("val"), rows)
@@ -346,9 +354,20 @@ def count_tokens(graph: fx.Graph) -> int:
     return floats or 0
 
 
-def graph_costs(graph: fx.Graph | fx.GraphModule) -> GraphCosts:
-    """FLOPs, activation, parameter and communication bytes of one forward graph."""
-    graph = graph.graph if isinstance(graph, fx.GraphModule) else graph
+def graph_costs(graph: fx.Graph | fx.GraphModule, subgraphs: dict[str, tuple[str, dict[str, fx.Graph]]] | None = None) -> GraphCosts:
+    """FLOPs, activation, parameter and communication bytes of one forward graph.
+
+    ``subgraphs`` (``PassRecord.subgraphs``; found on the module itself for a GraphModule) lets
+    a ``call_module`` node be counted by the graphs inside it; in a recompute region
+    (``memory_region == "recompute"``) the outputs of its ``recompute`` graph count as recomputed.
+    """
+    if isinstance(graph, fx.GraphModule):
+        if subgraphs is None:
+            from .history import _subgraphs
+
+            subgraphs = _subgraphs(graph)
+        graph = graph.graph
+    subgraphs = subgraphs or {}
     register_moe_formulas()
     flops_by_op: collections.Counter[str] = collections.Counter()
     flops_by_role: collections.Counter[str] = collections.Counter()
@@ -375,6 +394,21 @@ def graph_costs(graph: fx.Graph | fx.GraphModule) -> GraphCosts:
                 seen_attrs.add(str(node.target))
                 params += tensor_bytes(val) or 0
             continue
+        if node.op == "call_module" and str(node.target) in subgraphs:
+            kind, graphs = subgraphs[str(node.target)]
+            for path, inner_graph in graphs.items():
+                inner = graph_costs(inner_graph)
+                flops_by_op.update(inner.flops_by_op)
+                flops_by_role.update(inner.flops_by_role)
+                comm_by_op.update(inner.comm_by_op)
+                collectives += inner.collectives
+                approximate |= inner.approximate
+                estimated |= inner.estimated
+                if kind == "recompute" and path.split(".")[-1] == "recompute":
+                    recomputed += inner.activation_bytes + inner.recomputed_bytes
+                else:
+                    act, recomputed = act + inner.activation_bytes, recomputed + inner.recomputed_bytes
+            continue  # its outputs are the inner graphs' outputs, counted there
         if node.op != "call_function":
             continue
         rows = rows_of.get((node.meta.get("moe") or {}).get("layer"))  # type: ignore[arg-type]
@@ -383,7 +417,7 @@ def graph_costs(graph: fx.Graph | fx.GraphModule) -> GraphCosts:
             flops_by_op[str(node.target.overloadpacket)] += flops  # type: ignore[union-attr]
             flops_by_role[_role(node) or "dense"] += flops
         kind = collective_kind(node)
-        if kind is not None and kind not in _NOT_TRANSFERS:
+        if kind is not None and kind not in _NOT_TRANSFERS and not _is_wait(node):
             collectives += 1
             comm_by_op[kind] += measure(comm_bytes, node) or 0
         if _is_view(node):

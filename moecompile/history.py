@@ -25,6 +25,9 @@ class PassRecord:
     decisions: list[str] = dataclasses.field(default_factory=list)
     data: dict[str, Any] = dataclasses.field(default_factory=dict)  # structured facts for tools (report, viz)
     graph: fx.Graph | None = dataclasses.field(default=None, repr=False)  # a copy, for diff / visualize
+    # call_module target -> (the module's memory_region or class name, {submodule path: graph copy}) for
+    # called modules holding fx graphs (e.g. recompute regions), so costs can look inside them
+    subgraphs: dict[str, tuple[str, dict[str, fx.Graph]]] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def nodes(self) -> int:
@@ -46,7 +49,29 @@ def snapshot(name: str, gm: fx.GraphModule, changed: bool, wall_s: float, decisi
         decisions=list(decisions),
         data=dict(data),
         graph=graph_copy,
+        subgraphs=_subgraphs(gm),
     )
+
+
+def _copy(graph: fx.Graph) -> fx.Graph:
+    g = fx.Graph()
+    g.output(g.graph_copy(graph, {}))
+    return g
+
+
+def _subgraphs(gm: fx.GraphModule) -> dict[str, tuple[str, dict[str, fx.Graph]]]:
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_module" or n.target in out:
+            continue
+        try:
+            module = gm.get_submodule(str(n.target))
+        except AttributeError:
+            continue
+        graphs = {path: _copy(m.graph) for path, m in module.named_modules() if isinstance(m, fx.GraphModule)}
+        if graphs:
+            out[str(n.target)] = (str(getattr(module, "memory_region", type(module).__name__)), graphs)
+    return out
 
 
 def _op_name(node: fx.Node) -> str:

@@ -84,7 +84,8 @@ def report_rows(result_or_history: Any) -> list[PassRow]:
         rows.append(PassRow(
             name=rec.name, changed=rec.changed, nodes=rec.num_nodes, added=added, removed=removed,
             params=rec.num_params, params_delta=0 if prev_params is None else rec.num_params - prev_params,
-            costs=graph_costs(rec.graph) if rec.graph is not None else None, wall_s=rec.wall_s,
+            costs=graph_costs(rec.graph, getattr(rec, "subgraphs", None)) if rec.graph is not None else None,
+            wall_s=rec.wall_s,
             decisions=list(rec.decisions), data=dict(rec.data),
         ))
         prev_keys, prev_params = keys, rec.num_params
@@ -116,8 +117,10 @@ def format_value(value: Any, limit: int = 8) -> str:
     return _repr.repr(value)
 
 
-def format_data(data: dict[str, Any]) -> list[str]:
-    return [f"{key}: {format_value(value)}" for key, value in data.items()]
+def format_data(data: dict[str, Any], width: int = 200) -> list[str]:
+    """``key: value`` per recorded fact, each cut to ``width`` characters (the record keeps it all)."""
+    lines = [f"{key}: {format_value(value)}" for key, value in data.items()]
+    return [line if len(line) <= width else line[: width - 5] + " ..." for line in lines]
 
 
 def _delta(value: int, text: str) -> str:

@@ -115,6 +115,67 @@ def test_communication_bytes_from_functional_collectives():
     assert row.startswith("expert_parallel") and human(2 * (16 + 64) * 32 * 4, "B", 1024) == "20.00 KiB" in row
 
 
+def test_moecompile_async_exchange_counts_as_a_collective():
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(16, 32)
+    start = g.call_function(torch.ops.moecompile.a2a_start.default, (x, [8, 8], [8, 8], "ep"))
+    start.meta["val"] = torch.empty(16, 32)
+    wait = g.call_function(torch.ops.moecompile.a2a_wait.default, (start, [8, 8], [8, 8], "dispatch", "ep"))
+    wait.meta["val"] = torch.empty(16, 32)
+    g.output(wait)
+    c = graph_costs(g)
+    assert c.collectives == 1 and c.comm_by_op == {"a2a_start": 16 * 32 * 4}
+    assert c.activation_bytes == 16 * 32 * 4  # the wait hands back the start's buffer: counted once
+
+
+class _Region(torch.nn.Module):
+    """A recompute region as passes/regions.py builds them: fx graphs inside a called module."""
+
+    memory_region = "recompute"
+
+    def __init__(self):
+        super().__init__()
+
+        class Part(torch.nn.Module):
+            def forward(self, x, w):
+                return torch.ops.aten.relu.default(torch.ops.aten.mm.default(x, w))  # ATen, as regions hold
+
+        self.recompute = fx.symbolic_trace(Part())
+
+    def forward(self, x, w):
+        return self.recompute(x, w)
+
+
+def test_costs_look_inside_called_regions():
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.region = _Region()
+
+        def forward(self, x, w):
+            return self.region(x, w) * 2
+
+    class Tracer(fx.Tracer):
+        def is_leaf_module(self, m, name):
+            return isinstance(m, _Region) or super().is_leaf_module(m, name)
+
+    model = Model()
+    gm = fx.GraphModule(model, Tracer().trace(model))
+    x, w = torch.randn(4, 8), torch.randn(8, 16)
+    FakeTensorProp(gm).propagate(x, w)
+    FakeTensorProp(model.region.recompute).propagate(x, w)
+    c = graph_costs(gm)
+    assert c.flops == 2 * 4 * 8 * 16  # the matmul inside the region
+    assert c.recomputed_bytes == 2 * 4 * 16 * 4  # matmul and relu outputs: recomputed in backward
+    assert c.activation_bytes == 4 * 16 * 4  # only the outer mul's output is kept
+    rec_subgraphs = __import__("moecompile.history", fromlist=["_subgraphs"])._subgraphs(gm)
+    assert list(rec_subgraphs) == ["region"] and rec_subgraphs["region"][0] == "recompute"
+    assert graph_costs(gm.graph, rec_subgraphs) == c
+
+
 def test_plain_report_says_what_each_pass_did(result, rows):
     text = result.report()  # not a terminal under pytest: plain text
     assert text == render_report(result, style="plain") and "\x1b[" not in text

@@ -18,7 +18,8 @@ from moecompile import Role
 from moecompile.errors import MoecompileError
 from moecompile.models import build_model
 from moecompile.visualize import ROLE_COLORS, build_view, visualize
-from moecompile.visualize.model import OP_COLORS, color_of
+from moecompile.history import PassRecord
+from moecompile.visualize.model import OP_COLORS, color_of, overlap_notes
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
@@ -81,6 +82,31 @@ def test_raw_collectives_are_coloured_as_start_and_wait():
     assert by_name[a2a.name].color == ROLE_COLORS["collective_start"]
     assert by_name[wait.name].color == ROLE_COLORS["collective_wait"]
     assert color_of(None, "placeholder") == OP_COLORS["placeholder"]
+
+
+def _overlapped_record() -> PassRecord:
+    """x -> all_to_all -> wait, with relu(x) recorded as running while the exchange is in flight."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 8)
+    a2a = g.call_function(torch.ops._c10d_functional.all_to_all_single.default, (x, [2, 2], [2, 2], "ep"))
+    busy = g.call_function(torch.ops.aten.relu.default, (x,))
+    wait = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (a2a,))
+    g.output((wait, busy))
+    data = {"schedule": {"l0": {"collectives": [{"start": a2a.name, "wait": wait.name, "nodes": [busy.name]}]}}}
+    return PassRecord("overlap", True, 0.0, "", 5, 0, {}, ["l0: dispatch overlaps relu"], data, g)
+
+
+def test_overlap_records_link_collectives_to_the_work_they_hide(tmp_path):
+    rec = _overlapped_record()
+    view = build_view(rec.graph, notes=overlap_notes(rec.data))
+    by_name = {n.name: n for n in view.nodes}
+    relu = by_name["relu_default"].id
+    assert by_name["all_to_all_single_default"].notes == {"overlaps": [relu]}
+    assert by_name["wait_tensor_default"].notes == {"overlaps": [relu]}
+    assert by_name["relu_default"].notes == {"overlapped by": [by_name["all_to_all_single_default"].id]}
+    text = visualize(rec, tmp_path / "o.html").read_text()
+    assert '"notes":{"overlaps":[' in text and "l0: dispatch overlaps relu" in text
 
 
 def test_layer_selects_one_block_and_its_boundary(graph):
@@ -249,3 +275,17 @@ def test_html_search_and_layer_selector(page, graph):
     want = {n.name for n in build_view(graph, layer="model.layers.1").nodes}
     shown = set(page.eval_on_selector_all("#viewport .node", "els => els.map(e => e.dataset.name)"))
     assert shown == want
+
+
+def test_html_panel_lists_what_a_collective_overlaps(browser, tmp_path):
+    path = visualize(_overlapped_record(), tmp_path / "o.html")
+    pg = browser.new_page(viewport={"width": 1200, "height": 800})
+    pg.set_default_timeout(5000)
+    pg.goto(path.as_uri())
+    pg.wait_for_selector("body[data-ready='1']")
+    assert pg.locator("#viewport .node").count() == 5
+    pg.click("#viewport .node[data-name='all_to_all_single_default']")
+    assert pg.inner_text("#panel-role") == "collective_start"
+    assert pg.inner_text(".panel-note[data-note='overlaps']") == "relu_default"
+    assert pg.locator("#viewport .node.neighbor[data-name='relu_default']").count() == 1
+    pg.close()

@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from ..errors import MoecompileError
 from ..history import PassRecord
-from .model import OP_COLORS, ROLE_COLORS, GraphView, build_view, color_of, layer_groups
+from .model import OP_COLORS, ROLE_COLORS, GraphView, build_view, color_of, layer_groups, overlap_notes
 
 __all__ = ["OP_COLORS", "ROLE_COLORS", "GraphView", "build_view", "color_of", "layer_groups", "visualize", "resolve"]
 
@@ -73,12 +73,14 @@ def _about(rec: PassRecord | None, view: GraphView, new: set[str]) -> list[str]:
 
     lines = [f"pass: {rec.name}", f"{rec.num_nodes} nodes, {len(new)} added by this pass", f"{human(rec.num_params)} parameters"]
     if rec.graph is not None:
-        c = graph_costs(rec.graph)
+        c = graph_costs(rec.graph, rec.subgraphs)
         lines.append(f"{human(c.flops_per_token, 'FLOP')} per token (forward), {human(c.activation_bytes, 'B', 1024)} activations")
         if c.collectives:
             lines.append(f"{c.collectives} collectives, {human(c.comm_bytes_step, 'B', 1024)} per step")
     lines += [f"wall time {rec.wall_s * 1e3:.1f} ms"]
-    return lines
+    from ..report import format_data
+
+    return lines + format_data(rec.data)
 
 
 def visualize(
@@ -102,7 +104,8 @@ def visualize(
         raise MoecompileError(f"can't tell the format of {path.name!r}; end it in one of .{', .'.join(FORMATS)}")
     graph, default_title, rec, prev = resolve(result_or_gm, after)
     new = _new_names(rec, prev)
-    view = build_view(graph, title or default_title, new_names=new, layer=layer, collapse=collapse)
+    notes = overlap_notes(rec.data) if rec is not None else {}
+    view = build_view(graph, title or default_title, new_names=new, layer=layer, collapse=collapse, notes=notes)
     path.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "html":
         from .html import render_html

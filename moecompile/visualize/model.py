@@ -97,6 +97,7 @@ class ViewNode:
     moe: dict[str, Any] = dataclasses.field(default_factory=dict)  # json-safe meta["moe"]
     stack: str = ""  # last frame of the stack trace
     new: bool = False  # added by the pass this picture is "after"
+    notes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # e.g. "overlaps" -> node ids
     recompute: bool = False
     external: bool = False  # outside the selected layer, shown as its boundary
 
@@ -247,8 +248,33 @@ def _fallback_chains(chains: dict[fx.Node, list[tuple[str, str]]]) -> None:
 _LAYER_RE = re.compile(r".*\.\d+$")
 
 
+def overlap_notes(data: Any) -> dict[str, dict[str, list[str]]]:
+    """Node name -> {"overlaps": [...]} / {"overlapped by": [...]} from a pass record's data.
+
+    Any dict in it with ``start``, ``wait`` (node names) and ``nodes`` (the names that run while
+    that collective is in flight), as the overlap pass records them, links those nodes."""
+    notes: dict[str, dict[str, list[str]]] = {}
+
+    def walk(v: Any) -> None:
+        if isinstance(v, dict):
+            if isinstance(v.get("start"), str) and isinstance(v.get("wait"), str) and isinstance(v.get("nodes"), list):
+                for end in (v["start"], v["wait"]):
+                    notes.setdefault(end, {}).setdefault("overlaps", []).extend(str(m) for m in v["nodes"])
+                for m in v["nodes"]:
+                    notes.setdefault(str(m), {}).setdefault("overlapped by", []).append(v["start"])
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    walk(data)
+    return notes
+
+
 def build_view(graph: fx.Graph, title: str = "graph", new_names: Iterable[str] | None = None,
-               layer: str | int | None = None, collapse: Iterable[str] = ()) -> GraphView:
+               layer: str | int | None = None, collapse: Iterable[str] = (),
+               notes: dict[str, dict[str, list[str]]] | None = None) -> GraphView:
     """The renderable view of ``graph``; ``layer`` keeps one module subtree (plus its boundary)."""
     nodes = list(graph.nodes)
     new = set(new_names or ())
@@ -311,6 +337,10 @@ def build_view(graph: fx.Graph, title: str = "graph", new_names: Iterable[str] |
     for vn in view_nodes:
         for i in vn.inputs:
             view_nodes[i].users.append(vn.id)
+    ids = {vn.name: vn.id for vn in view_nodes}
+    for name, per_key in (notes or {}).items():
+        if name in ids:
+            view_nodes[ids[name]].notes = {k: [ids[m] for m in dict.fromkeys(v) if m in ids] for k, v in per_key.items()}
     view = GraphView(title, view_nodes, groups)
     collapse = set(collapse)
     for g in groups:
@@ -361,6 +391,7 @@ def select_layer(view: GraphView, layer: str | int) -> GraphView:
         n.id = remap[old]
         n.inputs = [remap[i] for i in n.inputs if i in remap]
         n.users = [remap[i] for i in n.users if i in remap]
+        n.notes = {k: [remap[i] for i in v if i in remap] for k, v in n.notes.items()}
         n.external = old in boundary
         if n.external:
             n.group = 0

@@ -257,8 +257,9 @@
     document.querySelectorAll("#viewport .node").forEach(e => {
       const id = +e.dataset.id;
       e.classList.toggle("selected", id === state.selected);
-      e.classList.toggle("neighbor", state.selected !== null && id !== state.selected &&
-        (N[state.selected].inputs.includes(id) || N[state.selected].users.includes(id)));
+      const sel = state.selected !== null ? N[state.selected] : null;
+      e.classList.toggle("neighbor", sel !== null && id !== state.selected &&
+        (sel.inputs.includes(id) || sel.users.includes(id) || Object.values(sel.notes).some(ids => ids.includes(id))));
     });
     const sel = state.selected !== null ? current.leafs.get(state.selected) : null;
     document.querySelectorAll("#viewport .edge").forEach(e => e.classList.toggle("hot", sel !== null && (e.dataset.from === sel || e.dataset.to === sel)));
@@ -282,6 +283,7 @@
       row("output", `<span id="panel-values">${n.values.map(esc).join("<br>") || "-"}</span>`) +
       (n.new ? row("pass", "added by this pass") : "") + (n.recompute ? row("recompute", "yes") : "") +
       row("inputs", n.inputs.map(link).join(", ") || "-") + row("users", n.users.map(link).join(", ") || "-") +
+      Object.entries(n.notes).map(([k, ids]) => row(esc(k), `<span class="panel-note" data-note="${esc(k)}">${ids.map(link).join(", ") || "-"}</span>`)).join("") +
       `</table><h3>meta["moe"]</h3><pre id="panel-moe">${esc(moe)}</pre>` +
       (n.stack ? `<h3>source</h3><pre>${esc(n.stack)}</pre>` : "");
   }
