@@ -78,13 +78,15 @@ def _kind(n: fx.Node) -> str:
     return ""
 
 
-def dependency_graph(graph: fx.Graph) -> nx.DiGraph:
-    """Every node of ``graph``; an edge a -> b whenever b must run after a."""
+def dependency_graph(graph: fx.Graph, window: list[fx.Node] | None = None) -> nx.DiGraph:
+    """Every node of ``graph`` (or of a contiguous ``window`` of it: enough to reorder that
+    window, since nothing outside it moves); an edge a -> b whenever b must run after a."""
     dag = nx.DiGraph()
-    nodes = list(graph.nodes)
+    nodes = list(graph.nodes) if window is None else list(window)
+    inside = set(nodes) if window is not None else None
     dag.add_nodes_from(nodes)
     for n in nodes:
-        dag.add_edges_from((a, n) for a in n.all_input_nodes)
+        dag.add_edges_from((a, n) for a in n.all_input_nodes if inside is None or a in inside)
     last_ordered: fx.Node | None = None
     segment: list[fx.Node] = []  # nodes since the last barrier
     barrier: fx.Node | None = None

@@ -32,6 +32,7 @@ place), and in static mode it is not chunked (capacity is per gathered bucket).
 
 from __future__ import annotations
 
+import networkx as nx
 import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
@@ -138,22 +139,18 @@ def _schedule(gm: fx.GraphModule, layer: str, shared_expert: bool) -> None:
     """Reorder the layer's window: starts as early, waits as late as dependencies allow."""
     graph = gm.graph
     window = _window(graph, layer)
-    dag = schedule.dependency_graph(graph)
-    inside = set(window)
+    dag = schedule.dependency_graph(graph, window)
     compute = {n for n in window if moe(n).get("role") in EXPERT_ROLES}
     cone: set[fx.Node] = set()  # what the dispatch-side starts need
     combine_side = set()
     for s in (n for n in window if schedule.is_start(n)):
-        up = {a for a in _ancestors(dag, s) if a in inside}
+        up = nx.ancestors(dag, s)
         if up & compute:
             combine_side.add(s)
         else:
             cone |= up | {s}
     waits_cone = {n for n in cone if schedule.is_wait(n)}
-    first_start = {}  # wait -> phase (0 dispatch, 1 combine)
-    for n in window:
-        if schedule.is_wait(n):
-            first_start[n] = 1 if n.args[0] in combine_side else 0
+    phase = {n: int(n.args[0] in combine_side) for n in window if schedule.is_wait(n)}  # 0 dispatch, 1 combine
 
     def priority(n: fx.Node) -> tuple:
         chunk = moe(n).get("chunk") or 0
@@ -162,18 +159,12 @@ def _schedule(gm: fx.GraphModule, layer: str, shared_expert: bool) -> None:
         if n in cone or n in combine_side:
             return (0,)
         if schedule.is_wait(n):
-            return (3, first_start[n], chunk)
+            return (3, phase[n], chunk)
         if not shared_expert and moe(n).get("role") == Role.SHARED_EXPERTS:
             return (4,)
         return (2,)
 
     schedule.reorder(graph, window, schedule.list_schedule(dag, window, priority))
-
-
-def _ancestors(dag, n: fx.Node) -> set[fx.Node]:
-    import networkx as nx
-
-    return nx.ancestors(dag, n)
 
 
 def _label(n: fx.Node) -> str:

@@ -33,9 +33,9 @@ class GLU(nn.Module):
 
 
 class Stack(nn.Module):
-    def __init__(self):
+    def __init__(self, layers: int = 2):
         super().__init__()
-        self.layers = nn.ModuleList([GLU(), GLU()])
+        self.layers = nn.ModuleList([GLU() for _ in range(layers)])
         self.norm = nn.LayerNorm(H)
 
     def forward(self, x):
@@ -94,12 +94,12 @@ def _run(result: Any, x: torch.Tensor, target: torch.Tensor, log: bool) -> dict:
             "backward_ops": ops.ops if log else []}
 
 
-def scenario(rank: int, world_size: int, cases: list[tuple[str, dict]], train: bool = False) -> dict:
+def scenario(rank: int, world_size: int, cases: list[tuple[str, dict]], train: bool = False, layers: int = 2) -> dict:
     import moecompile as mc
     from moecompile import schedule
 
     torch.manual_seed(0)
-    model = Stack()
+    model = Stack(layers)
     g = torch.Generator().manual_seed(10 + rank)
     x, target = torch.randn(2, 8, H, generator=g), torch.randn(2, 8, H, generator=g)
     results, runs, report = {}, {}, {}

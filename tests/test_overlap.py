@@ -234,7 +234,7 @@ def test_ep2_backward_exchanges_overlap_expert_compute(ep2):
 
 @pytest.fixture(scope="module")
 def ep4() -> list[dict]:
-    return spawn(sc.scenario, 4, args=(EP4_CASES,), timeout=300)
+    return spawn(sc.scenario, 4, args=(EP4_CASES, False, 1), timeout=300)  # one layer: 4 ranks share the cores
 
 
 @pytest.mark.distributed
