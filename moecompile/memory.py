@@ -318,10 +318,11 @@ class MemoryEstimate:
     by_pass: list[PassMemory]
     tokens: int
     profile: ActivationProfile = dataclasses.field(repr=False)
+    masters: int = 0  # fp32 master copies of low-precision parameters (build_train_step keeps them)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.buffers + self.activations
+        return self.params + self.grads + self.optimizer + self.masters + self.buffers + self.activations
 
     def __str__(self) -> str:
         return self.table()
@@ -329,7 +330,7 @@ class MemoryEstimate:
     def table(self) -> str:
         b = lambda n: "-" if n is None else human(n, "B", 1024)  # noqa: E731
         lines = [f"memory per rank ({self.tokens} tokens)",
-                 f"  params {b(self.params)}  grads {b(self.grads)}  optimizer {b(self.optimizer)}  "
+                 f"  params {b(self.params)}  grads {b(self.grads)}  optimizer {b(self.optimizer)}  masters {b(self.masters)}  "
                  f"buffers {b(self.buffers)}  activations {b(self.activations)}  (offloaded to host {b(self.offloaded)})"]
         cats = [c for c in CATEGORIES if any(c in d for d in self.by_layer.values())]
         rows = [("layer", *cats, "total")]
@@ -362,16 +363,22 @@ def example_inputs(result: Any, batch: Any = None) -> list[Any]:
     return pytree.tree_leaves((args, kwargs))
 
 
-def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw", by_pass: bool = True) -> MemoryEstimate:
+def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw", state_dtype: torch.dtype | None = None,
+                    master_weights: bool | None = None, by_pass: bool = True) -> MemoryEstimate:
     """Per-rank memory of ``result`` (a ConversionResult) for a training step; nothing real runs.
 
     ``batch``: None (the example inputs), an int (that many sequences of the example's length),
-    or the inputs themselves. ``optimizer``: adam | adamw | sgd | sgd_momentum | none (states are
-    kept in the parameters' dtype, as torch.optim does). ``by_pass``: also estimate activations
-    after every pass in ``result.history``.
+    or the inputs themselves. ``optimizer``: adam | adamw (2 states per parameter) | sgd |
+    sgd_momentum | none. ``master_weights``: fp32 master copies of the trainable parameters (and
+    their fp32 gradients, counted in ``grads``); None does what ``build_train_step`` does: masters
+    when any trainable parameter is not fp32. ``state_dtype``: the optimizer states' dtype; None
+    is the dtype the optimizer sees (fp32 with masters, else each parameter's own, as torch.optim
+    keeps them). ``by_pass``: also estimate activations after every pass in ``result.history``.
     """
     if optimizer not in _OPTIMIZER_STATES:
         raise MoecompileError(f"estimate_memory: optimizer {optimizer!r} unknown; use one of {', '.join(_OPTIMIZER_STATES)}")
+    if state_dtype is not None and not isinstance(state_dtype, torch.dtype):
+        raise MoecompileError(f"estimate_memory: state_dtype must be a torch.dtype (e.g. torch.float32), got {state_dtype!r}")
     gm = result.module
     inputs = example_inputs(result, batch)
     try:
@@ -386,7 +393,18 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
         ) from e
     params = {id(p): p for p in gm.parameters()}
     p_bytes = sum(p.numel() * p.element_size() for p in params.values())
-    g_bytes = sum(p.numel() * p.element_size() for p in params.values() if p.requires_grad)
+    trainable = [p for p in params.values() if p.requires_grad]
+    g_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    if master_weights is None:  # build_train_step: bf16 parameters train through fp32 masters
+        master_weights = any(p.dtype != torch.float32 for p in trainable)
+    n_trainable = sum(p.numel() for p in trainable)
+    m_bytes = 4 * n_trainable if master_weights else 0
+    if master_weights:
+        g_bytes += 4 * n_trainable  # the masters' fp32 .grad, kept between steps
+    if state_dtype is not None:
+        state_bytes = n_trainable * torch.empty((), dtype=state_dtype).element_size()
+    else:
+        state_bytes = 4 * n_trainable if master_weights else sum(p.numel() * p.element_size() for p in trainable)
     buf_bytes = sum(b.numel() * b.element_size() for b in gm.buffers())
     by_layer: dict[str, dict[str, int]] = {}
     for k, t in profile.tensors.items():
@@ -399,10 +417,10 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
             history.append(_pass_memory(rec, gm, inputs))
     tokens = next((t.numel() for t in inputs if isinstance(t, torch.Tensor) and not t.is_floating_point()), 0)
     return MemoryEstimate(
-        params=p_bytes, grads=g_bytes, optimizer=_OPTIMIZER_STATES[optimizer] * g_bytes, buffers=buf_bytes,
+        params=p_bytes, grads=g_bytes, optimizer=_OPTIMIZER_STATES[optimizer] * state_bytes, buffers=buf_bytes,
         activations=profile.device_bytes, offloaded=profile.host_bytes, by_category=profile.split("category"),
         by_layer=dict(sorted(by_layer.items(), key=lambda kv: _layer_order(kv[0]))), by_pass=history,
-        tokens=tokens, profile=profile,
+        tokens=tokens, profile=profile, masters=m_bytes,
     )
 
 

@@ -101,3 +101,31 @@ def test_other_batch_sizes(model, batch):
     assert 1.8 < four.activations / two.activations <= 2.0  # per-token activations double; rotary tables don't
     measured = measure_memory(lambda: dynamic.module(batch.repeat(2, 1)).logits, lambda o: o.float().sum().backward())
     assert abs(four.activations - measured.retained) / measured.retained < 0.15
+
+
+def test_optimizer_state_dtype_and_fp32_masters(batch):
+    """bf16 parameters: build_train_step keeps fp32 masters (+ their grads) and AdamW's two states in fp32."""
+    model = tiny_hf("llama").to(torch.bfloat16)
+    result = mc.convert(model, {"experts": EXPERTS}, (batch,))
+    n = sum(p.numel() for p in result.module.parameters() if p.requires_grad)
+    est = mc.estimate_memory(result, by_pass=False)  # default: what build_train_step keeps
+    assert est.params == 2 * n
+    assert est.optimizer == 8 * n  # two fp32 states per parameter
+    assert est.masters == 4 * n and est.grads == 2 * n + 4 * n  # bf16 grads + the masters' fp32 grads
+    assert est.total == est.params + est.grads + est.optimizer + est.masters + est.buffers + est.activations
+    step = mc.build_train_step(result)
+    assert sum(p.numel() * p.element_size() for p in step.masters.values()) == est.masters
+    plain = mc.estimate_memory(result, master_weights=False, by_pass=False)  # pure bf16 training
+    assert plain.masters == 0 and plain.optimizer == 2 * 2 * n and plain.grads == 2 * n
+    explicit = mc.estimate_memory(result, master_weights=False, state_dtype=torch.float32, by_pass=False)
+    assert explicit.optimizer == 8 * n
+    assert mc.estimate_memory(result, optimizer="sgd_momentum", by_pass=False).optimizer == 4 * n
+    with pytest.raises(mc.MoecompileError, match="state_dtype"):
+        mc.estimate_memory(result, state_dtype="fp32", by_pass=False)
+
+
+def test_fp32_parameters_have_no_masters(model, batch):
+    result = mc.convert(model, {"experts": EXPERTS}, (batch,))
+    est = mc.estimate_memory(result, by_pass=False)
+    assert est.masters == 0 and est.optimizer == 2 * est.grads
+    assert mc.estimate_memory(result, state_dtype=torch.bfloat16, by_pass=False).optimizer == est.grads
