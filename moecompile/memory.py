@@ -38,6 +38,7 @@ from torch._subclasses import FakeTensorMode
 
 from .costs import human, node_flops
 from .errors import MoecompileError
+from .grad_sync import expert_parameters
 from .graph import module_path
 from .meta import Role, moe
 
@@ -135,8 +136,8 @@ def _storage(t: torch.Tensor) -> int:
 class _FakeRun:
     """Runs a graph on fake tensors, node by node, recording what autograd saves."""
 
-    def __init__(self, root: torch.nn.Module, mode: FakeTensorMode | None):
-        self.root, self.mode = root, mode
+    def __init__(self, root: torch.nn.Module, mode: FakeTensorMode | None, ep: int = 1):
+        self.root, self.mode, self.ep = root, mode, ep
         self.tensors: dict[int, SavedTensor] = {}
         self.keep: list[torch.Tensor] = []  # fake storages stay alive, so their ids stay unique
         self.params: set[int] = set()
@@ -207,6 +208,8 @@ class _FakeRun:
                 env[node] = self.attr(node) if root is self.root else getattr(root, str(node.target))
             elif node.op == "output":
                 return fx.node.map_arg(node.args[0], lambda n: env[n])
+            elif (rows := self.balanced_rows(node, env)) is not None:
+                env[node] = rows
             else:
                 a = fx.node.map_arg(node.args, lambda n: env[n])
                 kw = fx.node.map_arg(node.kwargs, lambda n: env[n])
@@ -218,6 +221,22 @@ class _FakeRun:
                     self.saving = outer
             self.note(node, env[node])
         raise MoecompileError("graph has no output node")
+
+    def balanced_rows(self, node: fx.Node, env: dict[fx.Node, Any]) -> int | None:
+        """A dropless expert-parallel split read to the host (``_local_scalar_dense``) has no value on
+        fake tensors: take balanced routing, the layer's permuted rows N over ep (rows to/from each rank)."""
+        if self.mode is None or self.ep <= 1 or node.target is not torch.ops.aten._local_scalar_dense.default:
+            return None
+        seen, stack = set(), list(node.all_input_nodes)
+        while stack:
+            n = stack.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if n.target is torch.ops.moecompile.permute.default and isinstance(env.get(n), (tuple, list)):
+                return int(env[n][0].shape[0]) // self.ep
+            stack.extend(n.all_input_nodes)
+        return None
 
     def call(self, node: fx.Node, root: torch.nn.Module, a: tuple, kw: dict) -> Any:
         if node.op == "call_function":
@@ -271,13 +290,16 @@ class _FakeRun:
             self.flops[node.name] = sum(t.numel() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
-def profile_activations(graph: fx.Graph, root: torch.nn.Module, inputs: list[Any], *, real: bool = False) -> ActivationProfile:
+def profile_activations(graph: fx.Graph, root: torch.nn.Module, inputs: list[Any], *, real: bool = False,
+                        ep: int = 1) -> ActivationProfile:
     """Run ``graph`` (nodes resolved against ``root``) on fake ``inputs``; see the module doc.
 
     ``real=True`` runs it for real instead (same accounting): a measurement, node by node.
+    ``ep``: the graph's expert-parallel degree; a dropless dispatch's data-dependent splits are
+    then taken as balanced (each rank sends and receives N/ep of a layer's N permuted rows).
     """
     mode = None if real else FakeTensorMode(allow_non_fake_inputs=True)
-    run = _FakeRun(root, mode)  # type: ignore[arg-type]
+    run = _FakeRun(root, mode, ep)  # type: ignore[arg-type]
     with mode or contextlib.nullcontext(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(run.pack, lambda t: t):
         out = run.run(graph, list(inputs))
     outputs = {_storage(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)} - run.params
@@ -319,6 +341,7 @@ class MemoryEstimate:
     tokens: int
     profile: ActivationProfile = dataclasses.field(repr=False)
     masters: int = 0  # fp32 master copies of low-precision parameters (build_train_step keeps them)
+    expert_params: int = 0  # the part of ``params`` that is this rank's routed experts (E/ep of them)
 
     @property
     def total(self) -> int:
@@ -367,8 +390,11 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
                     master_weights: bool | None = None, by_pass: bool = True) -> MemoryEstimate:
     """Per-rank memory of ``result`` (a ConversionResult) for a training step; nothing real runs.
 
-    ``batch``: None (the example inputs), an int (that many sequences of the example's length),
-    or the inputs themselves. ``optimizer``: adam | adamw (2 states per parameter) | sgd |
+    On an expert-parallel graph (``parallel.ep`` > 1, converted on this rank) every figure is this
+    rank's: parameters, gradients and optimizer states of its E/ep local experts plus the dense
+    part, activations with the dispatch/combine exchange buffers (dropless splits taken as
+    balanced routing). ``batch``: None (the example inputs), an int (that many sequences of the
+    example's length), or the inputs themselves. ``optimizer``: adam | adamw (2 states per parameter) | sgd |
     sgd_momentum | none. ``master_weights``: fp32 master copies of the trainable parameters (and
     their fp32 gradients, counted in ``grads``); None does what ``build_train_step`` does: masters
     when any trainable parameter is not fp32. ``state_dtype``: the optimizer states' dtype; None
@@ -381,8 +407,9 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
         raise MoecompileError(f"estimate_memory: state_dtype must be a torch.dtype (e.g. torch.float32), got {state_dtype!r}")
     gm = result.module
     inputs = example_inputs(result, batch)
+    ep = result.plan.parallel.ep  # the graph holds this rank's E/ep experts and its dispatch/combine buffers
     try:
-        profile = profile_activations(gm.graph, gm, inputs)
+        profile = profile_activations(gm.graph, gm, inputs, ep=ep)
     except Exception as e:
         if batch is None:
             raise
@@ -406,6 +433,8 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
     else:
         state_bytes = 4 * n_trainable if master_weights else sum(p.numel() * p.element_size() for p in trainable)
     buf_bytes = sum(b.numel() * b.element_size() for b in gm.buffers())
+    named = dict(gm.named_parameters())
+    x_bytes = sum(named[n].numel() * named[n].element_size() for n in expert_parameters(gm) if n in named)
     by_layer: dict[str, dict[str, int]] = {}
     for k, t in profile.tensors.items():
         if t.on_device or k in profile.outputs:
@@ -414,13 +443,13 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
     history = []
     if by_pass:
         for rec in result.history:
-            history.append(_pass_memory(rec, gm, inputs))
+            history.append(_pass_memory(rec, gm, inputs, ep))
     tokens = next((t.numel() for t in inputs if isinstance(t, torch.Tensor) and not t.is_floating_point()), 0)
     return MemoryEstimate(
         params=p_bytes, grads=g_bytes, optimizer=_OPTIMIZER_STATES[optimizer] * state_bytes, buffers=buf_bytes,
         activations=profile.device_bytes, offloaded=profile.host_bytes, by_category=profile.split("category"),
         by_layer=dict(sorted(by_layer.items(), key=lambda kv: _layer_order(kv[0]))), by_pass=history,
-        tokens=tokens, profile=profile, masters=m_bytes,
+        tokens=tokens, profile=profile, masters=m_bytes, expert_params=x_bytes,
     )
 
 
@@ -429,11 +458,11 @@ def _layer_order(layer: str) -> tuple:
     return (0 if "embed" in layer else 1 if m else 2, int(m.group(1)) if m else 0, layer)
 
 
-def _pass_memory(rec: Any, gm: fx.GraphModule, inputs: list[Any]) -> PassMemory:
+def _pass_memory(rec: Any, gm: fx.GraphModule, inputs: list[Any], ep: int = 1) -> PassMemory:
     if rec.graph is None:
         return PassMemory(rec.name, None, None, None, "no graph snapshot")
     try:
-        prof = profile_activations(rec.graph, gm, inputs)
+        prof = profile_activations(rec.graph, gm, inputs, ep=ep)
     except Exception as e:  # an old snapshot the inputs don't fit (static shapes)
         return PassMemory(rec.name, None, None, None, f"{type(e).__name__}")
     seen, params = set(), 0

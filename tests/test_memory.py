@@ -129,3 +129,31 @@ def test_fp32_parameters_have_no_masters(model, batch):
     est = mc.estimate_memory(result, by_pass=False)
     assert est.masters == 0 and est.optimizer == 2 * est.grads
     assert mc.estimate_memory(result, state_dtype=torch.bfloat16, by_pass=False).optimizer == est.grads
+
+
+@pytest.fixture()
+def fake_world():
+    """A one-process ``fake`` process group posing as rank 0 of 2: convert per rank, no live collectives."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["dropless", "static"])
+def test_expert_parallel_estimate_is_per_rank(model, batch, fake_world, mode):
+    experts = {**EXPERTS, **({"capacity_factor": 1.0} if mode == "static" else {})}
+    one = mc.estimate_memory(mc.convert(model, {"experts": experts}, (batch,)), by_pass=False)
+    result = mc.convert(model, {"experts": experts, "parallel": {"ep": 2, "dispatch_mode": mode}}, (batch,))
+    two = mc.estimate_memory(result)
+    assert one.expert_params > 0 and two.expert_params * 2 == one.expert_params  # E/ep local experts
+    assert two.params - two.expert_params == one.params - one.expert_params  # dense part replicated
+    assert two.grads == two.params and two.optimizer == 2 * two.params  # fp32 AdamW on the local shard
+    assert two.by_category["permutation"] > one.by_category["permutation"]  # dispatch/combine buffers
+    assert abs(two.activations - one.activations) / one.activations < 0.1  # balanced: the same rows per rank
+    assert [p.name for p in two.by_pass] == [r.name for r in result.history]
+    assert all(p.activations is not None for p in two.by_pass)
