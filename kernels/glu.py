@@ -43,20 +43,23 @@ def _act(x: Tensor, act: str) -> Tensor:
     return F.gelu(x, approximate="tanh" if act == "gelu_tanh" else "none")
 
 
-def _act_backward(grad: Tensor, x: Tensor, act: str) -> Tensor:
-    """grad * act'(x), through ATen's own backward formulas (exact and traceable)."""
+def _act_backward(grad: Tensor, x: Tensor, act: str, out: Optional[Tensor] = None) -> Tensor:
+    """grad * act'(x), through ATen's own backward formulas (exact and traceable); `out` may be `grad`."""
+    if out is None:
+        out = torch.empty_like(grad)
     if act == "silu":
-        return torch.ops.aten.silu_backward(grad, x)
+        return torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=out)
     if act == "relu":
-        return torch.ops.aten.threshold_backward(grad, x, 0)
-    return torch.ops.aten.gelu_backward(grad, x, approximate="tanh" if act == "gelu_tanh" else "none")
+        return torch.ops.aten.threshold_backward.grad_input(grad, x, 0, grad_input=out)
+    approximate = "tanh" if act == "gelu_tanh" else "none"
+    return torch.ops.aten.gelu_backward.grad_input(grad, x, approximate=approximate, grad_input=out)
 
 
 def glu_ref(h_NF2: Tensor, act: str, weight_N: Optional[Tensor] = None) -> Tensor:
     """Pure-torch GLU: the CPU implementation and the test oracle."""
     _check(h_NF2, act, weight_N)
     gate_NF, up_NF = h_NF2.chunk(2, dim=-1)
-    out_NF = _act(gate_NF, act) * up_NF
+    out_NF = _act(gate_NF, act).mul_(up_NF)
     return out_NF if weight_N is None else out_NF * weight_N.to(out_NF.dtype).unsqueeze(-1)
 
 
@@ -78,10 +81,14 @@ def _setup_context(ctx, inputs, output):
 
 
 def glu_backward(grad_NF: Tensor, h_NF2: Tensor, act: str) -> Tensor:
-    """d gate = g * up * act'(gate), d up = g * act(gate), concatenated back to [.., 2F]."""
+    """d gate = g * up * act'(gate), d up = g * act(gate), written straight into one [.., 2F] buffer."""
     gate_NF, up_NF = h_NF2.chunk(2, dim=-1)
-    grad_gate_NF = _act_backward(grad_NF * up_NF, gate_NF, act)
-    return torch.cat([grad_gate_NF, grad_NF * _act(gate_NF, act)], dim=-1)
+    grad_h = h_NF2.new_empty(h_NF2.shape, dtype=torch.promote_types(grad_NF.dtype, h_NF2.dtype))
+    grad_gate_NF, grad_up_NF = grad_h.chunk(2, dim=-1)
+    torch.mul(grad_NF, _act(gate_NF, act), out=grad_up_NF)
+    torch.mul(grad_NF, up_NF, out=grad_gate_NF)
+    _act_backward(grad_gate_NF, gate_NF, act, out=grad_gate_NF)
+    return grad_h
 
 
 def glu_backward_ref(

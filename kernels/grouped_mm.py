@@ -16,10 +16,6 @@ from torch import Tensor
 
 from . import backend
 
-# dtypes torch._grouped_mm accepts on CPU; anything else (float64) takes the gather path.
-_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _check(x_NI: Tensor, w_EOI: Tensor, group_sizes_E: Tensor, bias_EO: Optional[Tensor]) -> None:
     if x_NI.dim() != 2 or w_EOI.dim() != 3 or group_sizes_E.dim() != 1:
         raise ValueError(
@@ -62,31 +58,49 @@ def _align(dtype: torch.dtype) -> int:
     return 16 // torch.empty((), dtype=dtype).element_size()
 
 
+def _host_sizes(group_sizes_E: Tensor) -> list[int] | None:
+    """Group sizes as ints where reading them is free (CPU), else None (keep them on the device)."""
+    return group_sizes_E.tolist() if group_sizes_E.device.type == "cpu" else None
+
+
 def _grouped_nt(a_NA: Tensor, b_EBA: Tensor, group_sizes_E: Tensor) -> Tensor:
     """out_NB[rows of e] = a_NA[rows of e] @ b_EBA[e].T"""
-    N = a_NA.shape[0]
+    N, B = a_NA.shape[0], b_EBA.shape[1]
+    sizes = _host_sizes(group_sizes_E)
+    if sizes is not None:
+        # CPU: one mm per expert straight into its slice of the output. Measured faster than
+        # torch._grouped_mm on CPU (bf16 ~900 vs ~590 GFLOP/s on 2 cores: no concat, oneDNN per
+        # block), any dtype (float64 too), and a transposed b (the dgrad) is read in place.
+        out_NB = a_NA.new_empty((N, B))
+        for e, (a_nA, out_nB) in enumerate(zip(a_NA.split(sizes), out_NB.split(sizes))):
+            if a_nA.shape[0]:
+                torch.mm(a_nA, b_EBA[e].t(), out=out_nB)
+        return out_NB
     if N == 0:  # an empty tensor's strides can be anything; torch._grouped_mm rejects some
-        return a_NA.new_empty((0, b_EBA.shape[1]))
-    if a_NA.dtype in _GROUPED_MM_DTYPES:
-        m = _align(a_NA.dtype)
-        offs_E = torch.cumsum(group_sizes_E, 0, dtype=torch.int32)
-        B = b_EBA.shape[1]  # out features padded too: a 1-wide output row is not 16-byte aligned
-        a_NA, b_EBA = _pad_to(a_NA, 1, m), _pad_to(_pad_to(b_EBA, 2, m), 1, m)
-        return torch._grouped_mm(a_NA, b_EBA.transpose(-2, -1), offs_E)[:, :B].contiguous()
-    return torch.einsum("na,nba->nb", a_NA, b_EBA[_expert_of_row(group_sizes_E, N)])
+        return a_NA.new_empty((0, B))
+    m = _align(a_NA.dtype)
+    offs_E = torch.cumsum(group_sizes_E, 0, dtype=torch.int32)
+    # out features padded too: a 1-wide output row is not 16-byte aligned
+    a_NA, b_EBA = _pad_to(a_NA, 1, m), _pad_to(_pad_to(b_EBA, 2, m), 1, m)
+    return torch._grouped_mm(a_NA, b_EBA.transpose(-2, -1), offs_E)[:, :B].contiguous()
 
 
 def _grouped_tn(a_NA: Tensor, b_NB: Tensor, group_sizes_E: Tensor) -> Tensor:
     """out_EAB[e] = a_NA[rows of e].T @ b_NB[rows of e]; zero for empty groups."""
-    (N, A), B, E = a_NA.shape, b_NB.shape[1], group_sizes_E.shape[0]
-    if a_NA.dtype in _GROUPED_MM_DTYPES:
-        m = _align(a_NA.dtype)
-        offs_E = torch.cumsum(group_sizes_E, 0, dtype=torch.int32)
-        a_NA, b_NB = _pad_to(a_NA, 1, m), _pad_to(b_NB, 1, m)
-        out_EAB = torch._grouped_mm(a_NA.t(), b_NB, offs_E)
-        return out_EAB[:, :A, :B].contiguous()
-    outer_NAB = a_NA.unsqueeze(2) * b_NB.unsqueeze(1)
-    return a_NA.new_zeros((E, A, B)).index_add_(0, _expert_of_row(group_sizes_E, N), outer_NAB)
+    A, B, E = a_NA.shape[1], b_NB.shape[1], group_sizes_E.shape[0]
+    sizes = _host_sizes(group_sizes_E)
+    if sizes is not None:
+        out_EAB = a_NA.new_empty((E, A, B))
+        for e, (a_nA, b_nB) in enumerate(zip(a_NA.split(sizes), b_NB.split(sizes))):
+            if a_nA.shape[0]:
+                torch.mm(a_nA.t(), b_nB, out=out_EAB[e])
+            else:
+                out_EAB[e].zero_()
+        return out_EAB
+    m = _align(a_NA.dtype)
+    offs_E = torch.cumsum(group_sizes_E, 0, dtype=torch.int32)
+    a_NA, b_NB = _pad_to(a_NA, 1, m), _pad_to(b_NB, 1, m)
+    return torch._grouped_mm(a_NA.t(), b_NB, offs_E)[:, :A, :B].contiguous()
 
 
 def _segment_sum(v_NO: Tensor, group_sizes_E: Tensor) -> Tensor:

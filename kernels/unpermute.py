@@ -75,9 +75,10 @@ def unpermute_backward(
     """grad_y[r] = w[row_src[r]] * grad[t]; grad_w[a] = <grad[t], y[row of a]> (0 if dropped)."""
     src_N, tok_N, w_N = _rows(row_src_N, weights_TK, y_NH.dtype)
     grad_rows_NH = grad_TH[tok_N]
-    grad_y_NH = grad_rows_NH * w_N.unsqueeze(1)
     acc = torch.promote_types(weights_TK.dtype, torch.float32)
-    dot_N = (grad_rows_NH.to(acc) * y_NH.to(acc)).sum(-1).masked_fill(row_src_N < 0, 0)
+    # products in the activations' dtype, summed in float32 (no float32 copies of both operands)
+    dot_N = (grad_rows_NH * y_NH).sum(-1, dtype=acc).masked_fill(row_src_N < 0, 0)
+    grad_y_NH = grad_rows_NH.mul_(w_N.unsqueeze(1))
     grad_w_A = weights_TK.new_zeros((weights_TK.numel(),), dtype=acc).index_add_(0, src_N, dot_N)
     return grad_y_NH, grad_w_A.reshape(weights_TK.shape).to(weights_TK.dtype)
 

@@ -92,7 +92,8 @@ def expert_weights(gm: fx.GraphModule, info: FFNInfo, cfg: ExpertsConfig) -> dic
 
 def _bias_or_zero(gm: fx.GraphModule, info: FFNInfo, key: str, size: int) -> torch.Tensor:
     b = _dense(gm, info, key, bias=True)
-    return b if b is not None else torch.zeros(size, dtype=_dense(gm, info, "down").dtype)
+    down = _dense(gm, info, "down")
+    return b if b is not None else torch.zeros(size, dtype=down.dtype, device=down.device)
 
 
 def router_weight(cfg: ExpertsConfig, hidden: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
@@ -119,9 +120,10 @@ def _register(gm: fx.GraphModule, layer: str, info: FFNInfo, cfg: ExpertsConfig,
     names |= {"router": "router.weight", "bias": "router.expert_bias"}
     prefix = f"{layer}." if layer else ""
     tensors = expert_weights(gm, info, cfg)
-    tensors["router"] = router_weight(cfg, info["hidden"], tensors["w_in"].dtype, _generator(seed, layer))
+    w_in = tensors["w_in"]  # the router lives where the FFN did (its generator stays on the CPU)
+    tensors["router"] = router_weight(cfg, info["hidden"], w_in.dtype, _generator(seed, layer)).to(w_in.device)
     if cfg.expert_bias:
-        tensors["bias"] = torch.zeros(cfg.num_experts)
+        tensors["bias"] = torch.zeros(cfg.num_experts, device=w_in.device)
     return {k: add_parameter(gm, prefix + names[k], t, requires_grad=k != "bias") for k, t in tensors.items()}
 
 
@@ -213,7 +215,7 @@ def upcycle(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         params = _register(gm, layer, info, cfg, ctx.plan.experts.seed)
         values = {k: get_attr_value(gm, n) for k, n in params.items()}
         block = trace_block(moe_block(cfg, info["act"], info["kind"] == "glu", capacity),
-                            {"x": torch.zeros(x_val.shape, dtype=x_val.dtype), **values})
+                            {"x": torch.zeros(x_val.shape, dtype=x_val.dtype, device=x_val.device), **values})
         existing = set(gm.graph.nodes)
         with gm.graph.inserting_before(out):
             attrs = [gm.graph.get_attr(n) for n in params.values()]

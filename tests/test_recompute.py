@@ -178,3 +178,41 @@ def test_recompute_replays_dropout():
 def test_nothing_to_do_leaves_the_graph(model, batch):
     result = _convert(model, batch)
     assert not result.record("recompute").changed and not _regions(result)
+
+
+def _deepseek_v3():
+    """A DeepSeek-V3-like model from a small config: layer 0 dense, layers 1-2 HF MoE blocks with a shared expert."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, max_position_embeddings=128)
+    return transformers.DeepseekV3ForCausalLM(cfg)
+
+
+def test_moe_act_on_deepseek_v3_like_model_keeps_gradients(batch):
+    """Several grouped_mm nodes per layer (routed + shared experts, HF's own MoE around them): moe_act
+    recomputes every expert activation and the gradients stay bit-identical."""
+    model = _deepseek_v3()
+    experts = {"num_experts": 4, "top_k": 2, "shared_experts": 1, "score": "sigmoid", "expert_bias": True}
+    runs = {}
+    for name, rc in (("keep", {}), ("moe_act", {"modules": ["moe_act"]})):
+        result = mc.convert(model, {"experts": experts, "recompute": rc}, (batch,))
+        result.module.zero_grad(set_to_none=True)
+        logits = result.module(batch).logits
+        F.cross_entropy(logits[:, :-1].reshape(-1, 128), batch[:, 1:].reshape(-1)).backward()
+        runs[name] = result, logits.detach(), {k: p.grad.clone() for k, p in result.module.named_parameters()
+                                               if p.grad is not None}
+    result, logits, grads = runs["moe_act"]
+    regions = _regions(result)
+    assert len(regions) == 3  # the dense layer's upcycled FFN and both layers' shared experts
+    assert all(any(n.target is torch.ops.moecompile.glu.default for n in m.recompute.graph.nodes)
+               for m in regions.values())
+    _, logits0, grads0 = runs["keep"]
+    assert torch.equal(logits, logits0)
+    assert grads.keys() == grads0.keys() and any(".experts." in k for k in grads)
+    for k in grads0:
+        assert torch.equal(grads[k], grads0[k]), k

@@ -188,3 +188,13 @@ def test_symbolic_trace_frontend_speaks_the_same_ops(module):
     result = mc.convert(module, plan(E=4, k=2, G=2), (x,), trace_method="symbolic_trace")
     assert (result.module(x) - module(x)).abs().max().item() <= 1e-5
     assert result.record("find_ffn").decisions
+
+
+def test_new_parameters_live_on_the_dense_models_device():
+    # The meta device stands in for a GPU: router, expert bias and experts all follow the FFN weights.
+    module = PlainGLU().to("meta")  # with biases: the zero-bias fallbacks must follow too
+    x = torch.randn(2, 5, module.up.in_features, device="meta")
+    result = mc.convert(module, plan(E=4, expert_bias=True), (x,))
+    devices = {name: t.device.type for name, t in [*result.module.named_parameters(), *result.module.named_buffers()]}
+    assert any("router" in name for name in devices) and any("expert_bias" in name for name in devices)
+    assert set(devices.values()) == {"meta"}, devices
