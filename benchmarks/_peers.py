@@ -68,7 +68,7 @@ def _moecompile(w: Weights, k: int, dtype: torch.dtype) -> Built:
 
     dense = Block().to(dtype)
     plan = mc.Plan.from_dict({"experts": {"num_experts": E, "top_k": k, "aux_loss": "none"}})
-    # [1, T, H] like a model's hidden states: a 2-D [T, H] example made the converted graph allocate T*T*H
+    # [1, T, H] like a model's hidden states
     result = mc.convert(dense, plan, (w.x.to(dtype)[None],))
     params = dict(result.module.named_parameters())
     with torch.no_grad():
