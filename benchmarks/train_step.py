@@ -4,10 +4,11 @@ Both models start from the same converted weights (the HF model gets a
 `MixtralSparseMoeBlock` per layer loaded with moecompile's experts and router) and run
 the same loop: forward, next-token cross-entropy, backward, AdamW step. Each runs in its
 own process; peak memory is the growth of the process's peak RSS over the step loop.
+`moecompile_ep2` is the product's own step (`build_train_step`) over gloo: 2 spawned ranks,
+each with half of the same global batch and --threads / 2 threads, experts sharded 2 ways;
+its time is the slowest rank's, its memory the largest rank's.
 
-    python benchmarks/train_step.py [--steps 6] [--batch 8] [--seq 256] [--threads 2]
-
-ep=2 is not measured here yet (see benchmarks/README.md).
+    python benchmarks/train_step.py [--steps 6] [--batch 8] [--seq 257] [--threads 2]
 """
 
 from __future__ import annotations
@@ -26,10 +27,8 @@ import torch
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-def build(impl: str, a: argparse.Namespace):
+def _dense(a: argparse.Namespace):
     import transformers
-
-    import moecompile as mc
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=a.hidden, intermediate_size=a.ffn,
@@ -37,8 +36,21 @@ def build(impl: str, a: argparse.Namespace):
                                    max_position_embeddings=a.seq)
     dense = transformers.LlamaForCausalLM(cfg)
     ids = torch.randint(0, 256, (a.batch, a.seq), generator=torch.Generator().manual_seed(1))
-    plan = mc.Plan.from_dict({"experts": {"num_experts": a.experts, "top_k": a.top_k, "aux_loss": "none"}})
-    result = mc.convert(dense, plan, (ids,))
+    return dense, ids
+
+
+def _experts(a: argparse.Namespace) -> dict:
+    return {"num_experts": a.experts, "top_k": a.top_k, "aux_loss": "none"}
+
+
+def build(impl: str, a: argparse.Namespace):
+    import transformers
+
+    import moecompile as mc
+
+    dense, ids = _dense(a)
+    plan = mc.Plan.from_dict({"experts": _experts(a)})
+    result = mc.convert(dense, plan, (ids[:, :-1],))  # the loop feeds ids[:, :-1]
     if impl == "moecompile":
         return result.module, ids
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
@@ -58,7 +70,48 @@ def build(impl: str, a: argparse.Namespace):
     return dense.train(), ids
 
 
+def _ep_rank(rank: int, world: int, a: argparse.Namespace) -> dict:
+    """One rank of moecompile's own training step with experts sharded over ``world`` ranks."""
+    import torch.distributed as dist
+
+    import moecompile as mc
+
+    plan = mc.Plan.from_dict({"experts": _experts(a), "parallel": {"ep": world}})
+    mc.distributed.init(plan)
+    dense, ids = _dense(a)
+    ids = ids.chunk(world)[rank]
+    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    result = mc.convert(dense, plan, (x,))
+    step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), precision="fp32")
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    times, losses = [], []
+    for _ in range(a.warmup + a.steps):
+        dist.barrier()
+        t = time.perf_counter()
+        m = step(x, y)
+        t = torch.tensor([time.perf_counter() - t])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(float(t))
+        losses.append(m.loss)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"times": times[a.warmup:], "losses": losses, "rss_mb": (peak - base) / 1024, "tokens": x.numel() * world}
+
+
+def _ep_worker(impl: str, a: argparse.Namespace) -> dict:
+    from moecompile.planner.microbench import run_ranks
+
+    world = int(impl.removeprefix("moecompile_ep"))
+    ranks = run_ranks(_ep_rank, world, (a,), threads=max(1, a.threads // world), timeout_s=1800)
+    ts = ranks[0]["times"]
+    return {"impl": impl, "ms": 1e3 * statistics.median(ts), "ms_min": 1e3 * min(ts), "ms_max": 1e3 * max(ts),
+            "tokens_per_s": ranks[0]["tokens"] / statistics.median(ts),
+            "peak_rss_growth_mb": max(r["rss_mb"] for r in ranks),
+            "first_loss": ranks[0]["losses"][0], "last_loss": ranks[0]["losses"][-1]}
+
+
 def worker(impl: str, a: argparse.Namespace) -> dict:
+    if impl.startswith("moecompile_ep"):
+        return _ep_worker(impl, a)
     torch.set_num_threads(a.threads)
     model, ids = build(impl, a)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -83,7 +136,8 @@ def worker(impl: str, a: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--impls", nargs="+", default=["moecompile", "hf_mixtral_eager", "hf_mixtral_grouped_mm"])
+    ap.add_argument("--impls", nargs="+", default=["moecompile", "moecompile_ep2", "hf_mixtral_eager",
+                                                  "hf_mixtral_grouped_mm"])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--batch", type=int, default=8)
@@ -109,7 +163,8 @@ def main() -> None:
         else:
             rows.append(json.loads(lines[-1]))
     print(f"Llama {a.layers} layers H={a.hidden} F={a.ffn}, {a.experts} experts top-{a.top_k}, batch {a.batch} x "
-          f"{a.seq - 1} tokens, fp32, {a.threads} threads, median of {a.steps} steps after {a.warmup} warm-up")
+          f"{a.seq - 1} tokens, fp32, {a.threads} threads, median of {a.steps} steps after {a.warmup} warm-up "
+          "(moecompile_ep2: 2 ranks x batch/2, threads/2 each, gloo)")
     print(f"{'impl':24s} {'ms/step':>9s} {'spread':>17s} {'tok/s':>8s} {'peak RSS +MB':>12s} {'loss first->last':>18s}")
     mc_row = next((r for r in rows if r["impl"] == "moecompile" and "ms" in r), None)
     for r in rows:
