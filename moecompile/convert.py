@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable, Iterable
 
@@ -29,6 +30,8 @@ class ConversionResult:
     example_inputs: tuple
     example_kwargs: dict[str, Any]
     context: PassContext = dataclasses.field(repr=False)
+    # the dense model's Hugging Face config (None for a plain module): export_hf's default
+    source_config: Any = dataclasses.field(default=None, repr=False)
 
     def report(self, style: str | None = None) -> str:
         """What every pass did (rich on a terminal, else plain; or style="markdown")."""
@@ -95,7 +98,10 @@ def convert(
     gm = run_passes(gm, ctx, resolve_order(passes or ()))
     attach_stats_hook(gm)
     accept_missing_constant_kwargs(gm, kwargs)
-    return ConversionResult(gm, plan, ctx.history, example_inputs, kwargs, ctx)
+    config = getattr(model, "config", None)
+    # a Hugging Face config (save_pretrained) is kept as a copy: later edits to the model don't leak in
+    source_config = copy.deepcopy(config) if hasattr(config, "save_pretrained") else None
+    return ConversionResult(gm, plan, ctx.history, example_inputs, kwargs, ctx, source_config)
 
 
 def _own_parameters(gm: fx.GraphModule) -> None:

@@ -167,8 +167,9 @@ def hf_state_dict(result: Any, world: Any = None) -> dict[str, torch.Tensor]:
 def export_hf(result: Any, path: str | Path, arch: str = "mixtral", config: Any = None, world: Any = None) -> Path:
     """Write ``result`` as a Hugging Face ``arch`` model directory loadable by ``from_pretrained``.
 
-    ``config``: the dense source model's Hugging Face config (``model.config``); it carries what
-    the graph does not (RoPE, norm epsilon, token ids). ``world`` defaults to the convert world.
+    ``config``: the dense source model's Hugging Face config; it carries what the graph does not
+    (RoPE, norm epsilon, token ids). Default: ``result.source_config``, the copy ``convert`` kept.
+    ``world`` defaults to the convert world.
     """
     if arch not in ARCHS:
         raise ExportError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")

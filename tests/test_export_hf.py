@@ -29,7 +29,7 @@ def trained(family: str, steps: int = 6, **experts) -> tuple[torch.nn.Module, mc
 def roundtrip(tmp_path, result, dense, arch: str, ids: torch.Tensor) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    export_hf(result, tmp_path, arch=arch, config=dense.config)
+    export_hf(result, tmp_path, arch=arch)  # the dense config comes from result.source_config
     hf, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     hf.eval()
@@ -83,6 +83,8 @@ def test_unsupported_combinations_are_clear_errors(tmp_path, family, experts, ar
 
 def test_needs_the_source_config_and_a_known_arch(tmp_path, llama, ids):
     result = mc.convert(llama, {"experts": {"num_experts": 4, "top_k": 2}}, (ids,))
+    assert result.source_config.to_dict() == llama.config.to_dict()  # convert kept it: no config= needed
+    result.source_config = None  # as for a plain nn.Module source
     with pytest.raises(ExportError, match="config=model.config"):
         export_hf(result, tmp_path)
     with pytest.raises(ExportError, match="unknown arch 'deepseek'"):
