@@ -182,7 +182,7 @@ def table(ep: int, res: dict, args: argparse.Namespace) -> str:
             f"{emed[name] * 1e3:.1f} ({min(exposed[name]) * 1e3:.1f}) | {hidden} |"
         )
     if res["notes"].get("auto_why"):
-        rows.append(f"auto: {res['notes']['auto_why']}")
+        rows.append(res["notes"]["auto_why"])
     return "\n".join(rows)
 
 
