@@ -159,9 +159,10 @@ def _setup_context(ctx, inputs, output):
 
 def permute_backward(grad_x_NH: Tensor, row_src_N: Tensor, num_tokens: int, K: int) -> Tensor:
     """grad_x_TH[t] = sum of grad rows that are copies of token t (padding rows skipped)."""
-    pad_N1 = (row_src_N < 0).unsqueeze(1)
-    grad_x_TH = grad_x_NH.new_zeros((num_tokens, grad_x_NH.shape[1]))
-    return grad_x_TH.index_add_(0, row_src_N.clamp(min=0) // K, grad_x_NH.masked_fill(pad_N1, 0))
+    # padding rows land in one spare row past the end, so no masked [N, H] copy of the grad is made
+    dest_N = torch.where(row_src_N < 0, num_tokens, row_src_N.div(K, rounding_mode="floor"))
+    grad_x_TH = grad_x_NH.new_zeros((num_tokens + 1, grad_x_NH.shape[1]))
+    return grad_x_TH.index_add_(0, dest_N, grad_x_NH)[:num_tokens]
 
 
 @torch.library.custom_op("moecompile::permute_backward", mutates_args=())

@@ -76,8 +76,12 @@ def unpermute_backward(
     src_N, tok_N, w_N = _rows(row_src_N, weights_TK, y_NH.dtype)
     grad_rows_NH = grad_TH[tok_N]
     acc = torch.promote_types(weights_TK.dtype, torch.float32)
-    # products in the activations' dtype, summed in float32 (no float32 copies of both operands)
-    dot_N = (grad_rows_NH * y_NH).sum(-1, dtype=acc).masked_fill(row_src_N < 0, 0)
+    if y_NH.dtype == acc and grad_rows_NH.dtype == acc:
+        # one fused multiply-sum, no [N, H] temporary (on a CPU, touching a fresh one costs more than the math)
+        dot_N = torch.einsum("nh,nh->n", grad_rows_NH, y_NH)
+    else:  # products in the activations' dtype, summed in float32 (no float32 copies of both operands)
+        dot_N = (grad_rows_NH * y_NH).sum(-1, dtype=acc)
+    dot_N = dot_N.masked_fill(row_src_N < 0, 0)
     grad_y_NH = grad_rows_NH.mul_(w_N.unsqueeze(1))
     grad_w_A = weights_TK.new_zeros((weights_TK.numel(),), dtype=acc).index_add_(0, src_N, dot_N)
     return grad_y_NH, grad_w_A.reshape(weights_TK.shape).to(weights_TK.dtype)
