@@ -170,6 +170,28 @@ def test_grouped_mm_matches_naive(case, T, E, k, H, with_bias, dtype):
     torch.testing.assert_close(y.float(), naive_grouped_mm(x, w, sizes, b), **TOL[dtype])
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_grouped_mm_without_native_bf16_runs_in_fp32(monkeypatch, native):
+    """Where the CPU has no bf16 matmul the expert GEMMs (fwd, dgrad, wgrad) run in fp32 on upcast
+    copies: bf16 out, and exactly the fp32 product of the bf16 inputs rounded once."""
+    import importlib
+
+    gm_mod = importlib.import_module("moecompile.kernels.grouped_mm")  # the module, not the function
+    monkeypatch.setattr(gm_mod, "_cpu_has_native", lambda dtype: native)
+    sizes = torch.tensor([3, 0, 5])
+    x = torch.randn(8, 16).bfloat16().requires_grad_()
+    w = torch.randn(3, 12, 16).bfloat16().requires_grad_()
+    y = mk.grouped_mm(x, w, sizes)
+    y.backward(torch.randn_like(y))
+    assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
+    want = torch.cat([x[:3].float() @ w[0].float().T, x[3:].float() @ w[2].float().T]).bfloat16()
+    if native:  # oneDNN/ATen bf16: the same fp32 accumulation, its own blocking
+        torch.testing.assert_close(y, want, **TOL[torch.bfloat16])
+    else:
+        assert torch.equal(y, want)
+    assert torch.equal(w.grad[1], torch.zeros(12, 16, dtype=torch.bfloat16))
+
+
 def test_grouped_mm_empty_groups_get_zero_grads():
     sizes = torch.tensor([0, 3, 0, 2])
     x = torch.randn(5, 8, requires_grad=True)
