@@ -104,10 +104,16 @@ def _key_value(item: str, what: str) -> tuple[str, Any]:
 
 def load_plan(path: str | None, sets: list[str]) -> Any:
     """The plan file (or defaults) with each ``section.field=value`` applied, validated."""
+    from ..plan import Plan
+
+    return apply_sets(Plan.from_file(path) if path else Plan(), sets)
+
+
+def apply_sets(plan: Any, sets: list[str]) -> Any:
+    """``plan`` with each ``--set section.field=value`` applied, validated as a new Plan."""
     from ..errors import PlanError
     from ..plan import Plan
 
-    plan = Plan.from_file(path) if path else Plan()
     if not sets:
         return plan
     data = plan.to_dict()

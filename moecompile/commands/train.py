@@ -121,15 +121,15 @@ def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
     from ..errors import MoecompileError
     from ..models import build_model, load_config
     from ..train_step import build_train_step
-    from .inspect import _key_value, load_plan
+    from .inspect import _key_value, apply_sets, load_plan
 
     from ..plan import Plan
 
     plan = load_plan(args.plan, []) if args.plan else Plan.from_dict(DEFAULT_PLAN)
     if world_size > 1 and not _plan_sets_ep(args):  # one expert shard per rank unless told otherwise
-        plan = _apply_sets(plan, [f"parallel.ep={world_size}"])
+        plan = apply_sets(plan, [f"parallel.ep={world_size}"])
     if args.sets:
-        plan = _apply_sets(plan, args.sets)
+        plan = apply_sets(plan, args.sets)
     if args.batch % world_size:
         raise MoecompileError(f"--batch {args.batch} must be a multiple of the {world_size} ranks")
     threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
@@ -166,21 +166,6 @@ def _plan_sets_ep(args: argparse.Namespace) -> bool:
     text = Path(args.plan).read_text()
     raw = json.loads(text) if args.plan.endswith(".json") else yaml.safe_load(text)
     return isinstance(raw, dict) and "ep" in (raw.get("parallel") or {})
-
-
-def _apply_sets(plan: Any, sets: list[str]) -> Any:
-    from ..errors import PlanError
-    from ..plan import Plan
-    from .inspect import _key_value
-
-    data = plan.to_dict()
-    for item in sets:
-        key, value = _key_value(item, "--set")
-        section, dot, field = key.partition(".")
-        if not dot or section not in data:
-            raise PlanError(key, value, f"--set takes SECTION.FIELD=VALUE; sections: {', '.join(data)}")
-        data[section][field] = value
-    return Plan.from_dict(data)
 
 
 def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
