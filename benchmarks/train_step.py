@@ -102,11 +102,15 @@ def _ep_worker(impl: str, a: argparse.Namespace) -> dict:
 
     world = int(impl.removeprefix("moecompile_ep"))
     ranks = run_ranks(_ep_rank, world, (a,), threads=max(1, a.threads // world), timeout_s=1800)
-    ts = ranks[0]["times"]
-    return {"impl": impl, "ms": 1e3 * statistics.median(ts), "ms_min": 1e3 * min(ts), "ms_max": 1e3 * max(ts),
-            "tokens_per_s": ranks[0]["tokens"] / statistics.median(ts),
-            "peak_rss_growth_mb": max(r["rss_mb"] for r in ranks),
-            "first_loss": ranks[0]["losses"][0], "last_loss": ranks[0]["losses"][-1]}
+    r0 = ranks[0]
+    return _row(impl, r0["times"], r0["tokens"], max(r["rss_mb"] for r in ranks), r0["losses"])
+
+
+def _row(impl: str, times: list[float], tokens: int, rss_mb: float, losses: list[float]) -> dict:
+    """One table row from the timed (post-warm-up) steps."""
+    return {"impl": impl, "ms": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
+            "ms_max": 1e3 * max(times), "tokens_per_s": tokens / statistics.median(times),
+            "peak_rss_growth_mb": rss_mb, "first_loss": losses[0], "last_loss": losses[-1]}
 
 
 def worker(impl: str, a: argparse.Namespace) -> dict:
@@ -128,10 +132,7 @@ def worker(impl: str, a: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - t)
         losses.append(loss.item())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    ts = times[a.warmup:]
-    return {"impl": impl, "ms": 1e3 * statistics.median(ts), "ms_min": 1e3 * min(ts), "ms_max": 1e3 * max(ts),
-            "tokens_per_s": x.numel() / statistics.median(ts), "peak_rss_growth_mb": (peak - base) / 1024,
-            "first_loss": losses[0], "last_loss": losses[-1]}
+    return _row(impl, times[a.warmup:], x.numel(), (peak - base) / 1024, losses)
 
 
 def main() -> None:

@@ -73,8 +73,8 @@ def _cpu_has_native(dtype: torch.dtype) -> bool:
 def _cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype CPU expert GEMMs run in: fp32 where the CPU lacks native bf16/fp16 matmul.
 
-    Without it (e.g. AVX2-only x86), ATen's bf16 mm falls back to a slow loop measured
-    10x (NT) to 500x (NN) slower than upcasting to fp32 and using MKL; the result is the same fp32
+    Without it (e.g. AVX2-only x86), ATen's bf16 mm falls back to a slow loop: on a 2-core AVX2 EPYC
+    15 GFLOP/s for x @ w.T (and ~0.3 for x @ w) against ~130 for fp32 copies through MKL; the result is the same fp32
     accumulation rounded once to the input dtype.
     """
     return dtype if _cpu_has_native(dtype) else torch.float32

@@ -178,12 +178,21 @@ def test_bf16_grouped_mm_without_native_bf16_runs_in_fp32(monkeypatch, native):
 
     gm_mod = importlib.import_module("moecompile.kernels.grouped_mm")  # the module, not the function
     monkeypatch.setattr(gm_mod, "_cpu_has_native", lambda dtype: native)
+    mm, mm_dtypes = torch.mm, []
+
+    def spy(a, b, **kw):
+        mm_dtypes.append(a.dtype)
+        return mm(a, b, **kw)
+
+    monkeypatch.setattr(torch, "mm", spy)
     sizes = torch.tensor([3, 0, 5])
     x = torch.randn(8, 16).bfloat16().requires_grad_()
     w = torch.randn(3, 12, 16).bfloat16().requires_grad_()
     y = mk.grouped_mm(x, w, sizes)
     y.backward(torch.randn_like(y))
     assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
+    assert len(mm_dtypes) == 6  # 2 non-empty experts x (fwd, dgrad, wgrad)
+    assert set(mm_dtypes) == {torch.bfloat16 if native else torch.float32}
     want = torch.cat([x[:3].float() @ w[0].float().T, x[3:].float() @ w[2].float().T]).bfloat16()
     if native:  # oneDNN/ATen bf16: the same fp32 accumulation, its own blocking
         torch.testing.assert_close(y, want, **TOL[torch.bfloat16])
