@@ -16,10 +16,14 @@ Runners (``cuda_graph.mode``)::
              gradient sync, optimizer, expert-bias update) captured once into a
              torch.cuda.CUDAGraph over static input buffers and replayed
     partial  the graph split into static regions (attention, router, dense parts),
-             each captured with make_graphed_callables, and dynamic expert regions
-             (permute .. combine) run eagerly between them
+             each captured with make_graphed_callables under the step's autocast, and
+             dynamic expert regions (permute .. combine) run eagerly between them
 
-All captures share one memory pool. On CPU every mode runs eagerly and says so once.
+A replay runs no Python, so what the step computed in Python at capture time is frozen:
+``full`` makes Adam(W)'s lr a device tensor (lr schedulers fill it in place) and refuses
+to replay once any other Python-valued optimizer hyperparameter has changed. All captures
+share one memory pool. On CPU every mode runs eagerly and says so once; the runners
+themselves are tested on CPU against emulated graphs (tests/_graph_emulator.py).
 """
 
 from __future__ import annotations
@@ -352,13 +356,33 @@ def _static_clone(tree: Any) -> Any:
     return pytree.tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, tree)
 
 
-def _make_capturable(optimizer: torch.optim.Optimizer) -> None:
+def _make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Device-side optimizer state, and for Adam(W) a tensor lr that schedulers update in place."""
     if "capturable" in optimizer.defaults:
         for group in optimizer.param_groups:
             group["capturable"] = True
+            if isinstance(optimizer, torch.optim.Adam) and not isinstance(group["lr"], torch.Tensor):
+                group["lr"] = torch.tensor(float(group["lr"]), device=device)
     elif not isinstance(optimizer, torch.optim.SGD):  # SGD has no host reads to avoid
         log.warning("%s has no capturable mode; capture fails if its step reads state on the host",
                     type(optimizer).__name__)
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """What a captured optimizer step froze: Python values, and which tensor each tensor entry is."""
+    return [{k: ("tensor", id(v)) if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups]
+
+
+def _check_unchanged(captured: list[dict], optimizer: torch.optim.Optimizer) -> None:
+    for i, (then, now) in enumerate(zip(captured, _hyperparameters(optimizer))):
+        for key in then:
+            if now.get(key) != then[key]:
+                raise MoecompileError(
+                    f"optimizer param_groups[{i}][{key!r}] changed from {then[key]} to {now.get(key)} after the step "
+                    "was captured into a CUDA graph, and a replay uses the captured value. Keep it fixed, or make it a "
+                    "tensor updated in place (torch.optim.lr_scheduler fills a tensor lr in place; the step makes "
+                    "Adam/AdamW's lr a tensor when it captures)")
 
 
 class FullGraphRunner:
@@ -370,7 +394,8 @@ class FullGraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         self.calls = 0
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, Any, Any, dict]] = {}
-        _make_capturable(step.optimizer)
+        _make_capturable(step.optimizer, step.device)
+        self.frozen: list[dict] | None = None  # the optimizer hyperparameters the captures baked in
         step.autocast_cache = False
         self.side = torch.cuda.Stream()
 
@@ -383,7 +408,11 @@ class FullGraphRunner:
             self.calls += 1
             return self._eager(inputs, targets, check_sync=self.calls == self.warmup)
         if key not in self.graphs:
+            if self.frozen is not None:
+                _check_unchanged(self.frozen, self.step.optimizer)
             self.graphs[key] = self._capture(inputs, targets)
+            self.frozen = _hyperparameters(self.step.optimizer)
+        _check_unchanged(self.frozen, self.step.optimizer)
         graph, static_in, static_tg, static_out = self.graphs[key]
         _copy_into(static_in, inputs)
         _copy_into(static_tg, targets)
@@ -451,24 +480,74 @@ class PartialGraphRunner:
 
     def _graph_static_regions(self, inputs: Any) -> None:
         samples: dict[str, tuple] = {}
-        hooks = []
-        for name, sub in self.split.named_children():
-            if name.startswith("static_"):
-                hooks.append(sub.register_forward_pre_hook(
-                    lambda m, a, name=name: samples.setdefault(name, tuple(a))))
+
+        def keep(name: str) -> Callable:
+            def hook(module: Any, args: tuple, out: Any) -> None:
+                samples.setdefault(name, (tuple(args), out))
+            return hook
+
+        hooks = [sub.register_forward_hook(keep(name)) for name, sub in self.split.named_children()
+                 if name.startswith("static_")]
         with self.step._autocast():  # with grad, so each sample's requires_grad is what training sees
             self.step._forward(inputs)
         for h in hooks:
             h.remove()
-        names, mods, args = [], [], []
-        for name, sample in samples.items():
-            if all(isinstance(a, torch.Tensor) for a in sample):
-                names.append(name)
-                mods.append(getattr(self.split, name))
-                args.append(tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in sample))
-        graphed = torch.cuda.make_graphed_callables(tuple(mods), tuple(args), allow_unused_input=True, pool=self.pool)
-        for name, g in zip(names, graphed):
-            setattr(self.split, name, g)
+        names = list(samples)
+        regions = [_TensorRegion(getattr(self.split, n), *samples[n]) for n in names]
+        args = tuple(r.sample_tensors() for r in regions)
+        # captured under the step's autocast (cache off), so each graph holds the kernels training runs
+        with self.step._autocast():
+            graphed = torch.cuda.make_graphed_callables(tuple(regions), args, allow_unused_input=True, pool=self.pool)
+        for name, region in zip(names, graphed):
+            setattr(self.split, name, _GraphedRegion(name, region))
         self.graphed = True
         log.info("partial CUDA graphs: %d static regions captured, %d expert regions eager", len(names),
                  sum(1 for n, _ in self.split.named_children() if n.startswith("dynamic_")))
+
+
+class _TensorRegion(torch.nn.Module):
+    """A static region as make_graphed_callables needs it: tensors in, tensors out.
+
+    Its other inputs (constant flags) and outputs (sizes, which a graph of fixed shapes
+    fixes too) keep the values of the sample run; :class:`_GraphedRegion` puts them back.
+    """
+
+    def __init__(self, region: torch.nn.Module, sample_args: tuple, sample_out: Any):
+        super().__init__()
+        self.region = region
+        self.args = list(sample_args)
+        self.arg_slots = [i for i, a in enumerate(sample_args) if isinstance(a, torch.Tensor)]
+        self.outs, self.out_spec = pytree.tree_flatten(sample_out)
+        self.out_slots = [i for i, o in enumerate(self.outs) if isinstance(o, torch.Tensor)]
+
+    def sample_tensors(self) -> tuple:
+        return tuple(self.args[i].detach().clone().requires_grad_(self.args[i].requires_grad) for i in self.arg_slots)
+
+    def forward(self, *tensors: torch.Tensor) -> tuple:
+        args = list(self.args)
+        for i, t in zip(self.arg_slots, tensors):
+            args[i] = t
+        flat = pytree.tree_leaves(self.region(*args))
+        return tuple(flat[i] for i in self.out_slots)
+
+
+class _GraphedRegion(torch.nn.Module):
+    """A graphed :class:`_TensorRegion`, called like the region it replaced."""
+
+    def __init__(self, name: str, graphed: _TensorRegion):
+        super().__init__()
+        self.name, self.graphed = name, graphed
+
+    def forward(self, *args: Any) -> Any:
+        g = self.graphed
+        for i, (want, got) in enumerate(zip(g.args, args)):
+            same = (got.shape == want.shape and got.dtype == want.dtype) if isinstance(want, torch.Tensor) else got == want
+            if not same:
+                what = f"{tuple(got.shape)} {got.dtype}" if isinstance(got, torch.Tensor) else repr(got)
+                was = f"{tuple(want.shape)} {want.dtype}" if isinstance(want, torch.Tensor) else repr(want)
+                raise MoecompileError(f"cuda_graph.mode=partial: region {self.name} was captured with argument {i} "
+                                      f"= {was}, got {what}; a captured region needs inputs of one shape")
+        outs = list(g.outs)
+        for i, o in zip(g.out_slots, g(*(args[i] for i in g.arg_slots))):
+            outs[i] = o
+        return pytree.tree_unflatten(outs, g.out_spec)

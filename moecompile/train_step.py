@@ -144,7 +144,9 @@ class TrainStep:
             inputs, targets = inputs
         start = time.perf_counter()
         out = self.runner(inputs, targets)
-        return self._metrics(out, time.perf_counter() - start)
+        stats = out["stats"].tolist()  # waits for the device, so the step's time includes its kernels
+        norm = None if out.get("grad_norm") is None else float(out["grad_norm"])
+        return self._metrics(stats, norm, time.perf_counter() - start)
 
     def compute(self, inputs: Any, targets: Any) -> dict[str, Any]:
         """The whole step as tensor work (no host sync): what a CUDA graph captures."""
@@ -232,22 +234,20 @@ class TrainStep:
                     b = self.biases[layer]
                     b.add_((load.mean() - load).sign().to(b.dtype) * self.bias_rate)
 
-    def _metrics(self, out: dict[str, Any], seconds: float) -> StepMetrics:
+    def _metrics(self, flat: list[float], norm: float | None, seconds: float) -> StepMetrics:
         self.step_count += 1
         names, loads = self._stat_layout()
-        flat = out["stats"].tolist()
         dp_size = self.buckets.dp_size
         offset = 3 + len(names)
         load = {}
         for layer, n in loads:
             load[layer] = [int(round(v)) for v in flat[offset : offset + n]]
             offset += n
-        norm = out.get("grad_norm")
         return StepMetrics(
             step=self.step_count, loss=flat[0] / dp_size, lm_loss=flat[1] / dp_size,
             router_losses={name: flat[3 + i] / dp_size for i, name in enumerate(names)},
             tokens=int(flat[2]), time_s=seconds, expert_load=load,
-            grad_norm=None if norm is None else float(norm),
+            grad_norm=norm,
         )
 
     # ------------------------------------------------------------------ state

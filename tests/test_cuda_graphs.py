@@ -151,6 +151,95 @@ def test_dropless_ep2_is_not_capture_safe_but_its_static_regions_are():
         assert safe, text  # static capacity: fixed splits, nothing read on the host
 
 
+# ---------------------------------------------------------------- the runners, on emulated CUDA graphs
+# tests/_graph_emulator.py records each capture at the ATen level and replays it with no
+# Python, as a CUDA graph does: what the runners get wrong there, they get wrong on a GPU.
+
+
+def _emulated(plan: dict, runner: str | None, n: int = 5, precision: str = "fp32", optimizer=None,
+              schedule=None, loss_fn=None) -> tuple[list[float], list]:
+    from _graph_emulator import emulated_cuda_graphs
+
+    import moecompile.cuda_graphs as cg
+
+    plan = {**plan, "cuda_graph": {"warmup_steps": 2}}
+    optimizer = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-3, capturable=True))
+    data = ByteBatches(stdlib_bytes(100_000), BATCH, SEQ)
+    with emulated_cuda_graphs() as graphs:
+        torch.manual_seed(0)
+        result, _ = convert(plan)
+        step = mc.build_train_step(result, optimizer=optimizer, precision=precision, loss_fn=loss_fn)
+        if runner is not None:
+            step.runner = {"full": cg.FullGraphRunner, "partial": cg.PartialGraphRunner}[runner](step)
+        sched = schedule(step.optimizer) if schedule else None
+        losses = []
+        for i in range(n):
+            losses.append(step(data[i]).loss)
+            if sched:
+                sched.step()
+    return losses, graphs
+
+
+DROPLESS = {"experts": {"num_experts": 4, "top_k": 2, "aux_loss": "aux"}}
+
+
+def test_full_capture_replays_the_eager_step_on_emulated_graphs():
+    eager, _ = _emulated(STATIC, None)
+    full, graphs = _emulated(STATIC, "full")
+    assert [g.replays for g in graphs] == [3]  # 2 warm-up steps, then one capture replayed for steps 3..5
+    assert full == eager  # bitwise: the replay runs the kernels the eager step runs
+
+
+def test_full_capture_follows_an_lr_schedule():
+    halve = lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)  # noqa: E731
+    eager, _ = _emulated(STATIC, None, n=6, schedule=halve)
+    full, _ = _emulated(STATIC, "full", n=6, schedule=halve)
+    assert full == eager  # a Python-float lr would be frozen at its capture-time value
+
+
+def test_full_capture_refuses_a_changed_python_hyperparameter():
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731  (SGD: lr stays a Python float)
+    halve = lambda opt: torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)  # noqa: E731
+    with pytest.raises(mc.MoecompileError, match=r"param_groups\[0\]\['lr'\] changed from 0.025 to 0.0125 after the "
+                                                 r"step was captured"):
+        _emulated(STATIC, "full", n=6, optimizer=sgd, schedule=halve)
+
+
+def test_full_capture_names_a_host_sync_found_in_the_last_warmup_step():
+    def loss_fn(out, targets):
+        logits = _HostNorm.apply(out.logits)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 256), targets.reshape(-1))
+
+    with pytest.raises(mc.MoecompileError, match="mode=full: the step synchronises with the host"):
+        _emulated(STATIC, "full", loss_fn=loss_fn)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_partial_capture_replays_the_eager_step_on_emulated_graphs(precision):
+    eager, _ = _emulated(DROPLESS, None, precision=precision)
+    partial, graphs = _emulated(DROPLESS, "partial", precision=precision)
+    # 3 static regions (embedding + attention, between the two MoE layers, the head): a forward
+    # and a backward graph each, replayed on steps 3..5 while the dropless experts run eagerly
+    assert [g.replays for g in graphs] == [3] * 6
+    assert partial == eager  # bitwise; in bf16 only if the regions were captured under autocast
+
+
+def test_partial_capture_refuses_another_shape():
+    from _graph_emulator import emulated_cuda_graphs
+
+    import moecompile.cuda_graphs as cg
+
+    with emulated_cuda_graphs():
+        result, _ = convert({**DROPLESS, "cuda_graph": {"warmup_steps": 1}})
+        step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, capturable=True))
+        step.runner = cg.PartialGraphRunner(step)
+        step(ByteBatches(stdlib_bytes(100_000), BATCH, SEQ)[0])
+        step(ByteBatches(stdlib_bytes(100_000), BATCH, SEQ)[1])  # captured here
+        with pytest.raises(mc.MoecompileError, match=r"mode=partial: region static_0 was captured with argument 0 = "
+                                                     r"\(4, 16\) torch.int64, got \(2, 16\)"):
+            step(ByteBatches(stdlib_bytes(100_000), 2, SEQ)[0])
+
+
 # ---------------------------------------------------------------- on a GPU
 
 
