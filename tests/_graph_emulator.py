@@ -12,7 +12,8 @@ is an error. ``emulated_cuda_graphs()`` reproduces exactly that at the ATen leve
 - ``g.replay()`` re-runs the recorded ops on the same tensor objects and writes each
   result into the tensor the capture produced (views and in-place ops alias already);
 - ``torch.cuda.set_sync_debug_mode("error")`` makes host reads raise outside capture;
-- streams, ``synchronize`` and memory pools are no-ops (one device, one stream).
+- streams, ``synchronize`` and memory pools are no-ops (one device, one stream); a replayed
+  collective is waited on at once, as stream order would.
 
 ``torch.cuda.make_graphed_callables`` then runs torch's own implementation on top.
 What it cannot show: memory-pool reuse between graphs and real stream ordering.
@@ -91,8 +92,12 @@ class EmulatedGraph:
     @staticmethod
     def _rerun(func: Any, args: tuple, kwargs: dict, recorded: Any) -> None:
         fresh = func(*args, **kwargs)
+        if func.namespace == "_c10d_functional" and func is not torch.ops._c10d_functional.wait_tensor.default:
+            fresh = pytree.tree_map_only(torch.Tensor, torch.ops._c10d_functional.wait_tensor, fresh)
         for rec, new in zip(pytree.tree_leaves(recorded), pytree.tree_leaves(fresh)):
-            if isinstance(rec, torch.Tensor) and not _same_memory(rec, new):
+            if isinstance(new, torch.ScriptObject) and hasattr(new, "wait"):
+                new.wait()  # a collective: in a graph it is a kernel in stream order, done before the next op
+            elif isinstance(rec, torch.Tensor) and not _same_memory(rec, new):
                 if rec.shape != new.shape:
                     raise RuntimeError(f"{func} gave shape {tuple(new.shape)} on replay, {tuple(rec.shape)} "
                                        "at capture: a data-dependent shape inside a CUDA graph")

@@ -263,3 +263,16 @@ def test_full_capture_replays_the_eager_step():
 def test_partial_capture_replays_the_eager_step():
     eager, partial = _steps("none"), _steps("partial")
     assert partial == pytest.approx(eager, rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.distributed
+def test_ep2_steps_replay_on_emulated_graphs():
+    """Gradient sync, the static all-to-all and the expert-bias update inside one captured step."""
+    from _graph_scenario import ep2_graphs_worker
+    from _spawn import run
+
+    for r in run(ep2_graphs_worker, 2, timeout=300):
+        assert r["full_replays"] == [3]
+        assert r["full"] == r["static_eager"]
+        assert r["partial_replays"] and set(r["partial_replays"]) == {3}
+        assert r["partial"] == r["dropless_eager"]
