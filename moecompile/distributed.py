@@ -250,7 +250,8 @@ def wait_tensor(t: torch.Tensor, what: str, group_name: str) -> torch.Tensor:
 ALL_TO_ALL = _fc.all_to_all_single.default  # (x, output_split_sizes, input_split_sizes, group_name)
 ALL_GATHER = _fc.all_gather_into_tensor.default  # (x, group_size, group_name), along dim 0
 REDUCE_SCATTER = _fc.reduce_scatter_tensor.default  # (x, "sum", group_size, group_name), along dim 0
-COLLECTIVE_STARTS = (ALL_TO_ALL, ALL_GATHER, REDUCE_SCATTER)
+ALL_REDUCE = _fc.all_reduce.default  # (x, "sum", group_name)
+COLLECTIVE_STARTS = (ALL_TO_ALL, ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE)
 WAITS = (torch.ops.moecompile.wait_tensor.default, _fc.wait_tensor.default)
 
 

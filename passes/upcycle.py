@@ -127,8 +127,12 @@ def _register(gm: fx.GraphModule, layer: str, info: FFNInfo, cfg: ExpertsConfig,
     return {k: add_parameter(gm, prefix + names[k], t, requires_grad=k != "bias") for k, t in tensors.items()}
 
 
-def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int):
-    """The MoE computation as plain torch code; traced to ATen and inlined by the pass."""
+def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, load_group: tuple[str, int] | None = None):
+    """The MoE computation as plain torch code; traced to ATen and inlined by the pass.
+
+    ``load_group`` (group name, size): sum the expert load over those ranks for the
+    ``global_aux`` loss, launched after the permute and waited on where the loss needs it.
+    """
     E, k, S = cfg.num_experts, cfg.top_k, cfg.shared_experts
 
     def expert_mlp(x, w_in, w_out, b_in, b_out, sizes):
@@ -147,14 +151,21 @@ def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int):
             weights_TK, idx_TK = mc.route(logits_TE, bias, k, cfg.score, cfg.normalize)
         with annotate({"role": "permute"}):
             x_NH, row_src_N, sizes_E, load_E = mc.permute(x_TH, idx_TK, weights_TK, E, capacity, cfg.drop_policy)
+        if load_group is not None:
+            with annotate({"role": "collective_start", "group": load_group[0]}):
+                pending = torch.ops._c10d_functional.all_reduce(load_E, "sum", load_group[0])
         y_NH = expert_mlp(x_NH, w_in, w_out, b_in, b_out, sizes_E)
         with annotate({"role": "combine"}):
             y_TH = mc.unpermute(y_NH, row_src_N, weights_TK, x_TH.shape[0])
         if S:
             with annotate({"role": "shared_experts"}):
                 y_TH = y_TH + _shared_mlp(x_TH, shared_w_in, shared_w_out, shared_b_in, shared_b_out, act, glu)
+        global_load = None
+        if load_group is not None:
+            with annotate({"role": "collective_wait", "group": load_group[0]}):
+                global_load = (torch.ops._c10d_functional.wait_tensor(pending), load_group[1])
         with annotate({"role": "router_loss"}):
-            side = router_losses(logits_TE, idx_TK, load_E, cfg, x.shape[1] if x.dim() == 3 else None)
+            side = router_losses(logits_TE, idx_TK, load_E, cfg, x.shape[1] if x.dim() == 3 else None, global_load)
         return y_TH.view(x.shape), {"load": load_E, **side}
 
     return block
@@ -170,8 +181,13 @@ def _shared_mlp(x_TH, w_in_SIH, w_out_SHF, b_in, b_out, act: str, glu: bool):
     return F.linear(h.reshape(h.shape[0], -1), w_out, None if b_out is None else b_out.sum(0))
 
 
-def router_losses(logits_TE, idx_TK, load_E, cfg: ExpertsConfig, seq_len: int | None) -> dict:
-    """Unweighted router losses; the training step multiplies in the plan's coefficients."""
+def router_losses(logits_TE, idx_TK, load_E, cfg: ExpertsConfig, seq_len: int | None,
+                  global_load: tuple | None = None) -> dict:
+    """Unweighted router losses; the training step multiplies in the plan's coefficients.
+
+    ``global_load`` (load summed over R ranks, R): global_aux's f_E over all R ranks' tokens.
+    The mean over ranks of E * sum_e f_E P_e(local) is then the single-process loss.
+    """
     out = {}
     logits = logits_TE.float()
     if cfg.z_loss_coeff > 0:
@@ -184,8 +200,9 @@ def router_losses(logits_TE, idx_TK, load_E, cfg: ExpertsConfig, seq_len: int | 
     else:  # sigmoid scores normalised over experts (DeepSeek-V3)
         sig = logits.sigmoid()
         probs_TE = sig / sig.sum(-1, keepdim=True)
-    if cfg.aux_loss == "aux" or seq_len is None:  # Switch: E * sum_e f_e P_e over the batch
-        f_E = load_E.float() / (idx_TK.shape[0] * k)
+    if cfg.aux_loss != "seq_aux" or seq_len is None:  # Switch: E * sum_e f_e P_e over the batch
+        load, ranks = global_load if global_load is not None else (load_E, 1)
+        f_E = load.float() / (idx_TK.shape[0] * ranks * k)
         out["aux_loss"] = E * (f_E * probs_TE.mean(0)).sum()
     else:  # seq_aux: the same per sequence, averaged over sequences
         B = idx_TK.shape[0] // seq_len
@@ -203,6 +220,7 @@ def upcycle(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     by_name = {n.name: n for n in gm.graph.nodes}
     ffns = [n for n in gm.graph.nodes if "ffn" in n.meta.get("moe", {})]
     converted = []
+    load_group = _load_group(ctx)
     for out in ffns:
         info: FFNInfo = moe(out)["ffn"]
         layer = moe(out)["layer"]
@@ -214,7 +232,7 @@ def upcycle(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         capacity = cfg.capacity(int(tokens))
         params = _register(gm, layer, info, cfg, ctx.plan.experts.seed)
         values = {k: get_attr_value(gm, n) for k, n in params.items()}
-        block = trace_block(moe_block(cfg, info["act"], info["kind"] == "glu", capacity),
+        block = trace_block(moe_block(cfg, info["act"], info["kind"] == "glu", capacity, load_group),
                             {"x": torch.zeros(x_val.shape, dtype=x_val.dtype, device=x_val.device), **values})
         existing = set(gm.graph.nodes)
         with gm.graph.inserting_before(out):
@@ -238,12 +256,23 @@ def upcycle(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
+def _load_group(ctx: PassContext) -> tuple[str, int] | None:
+    """The data-parallel group global_aux sums the expert load over (None: one rank, plain aux)."""
+    world = ctx.world
+    if ctx.plan.experts.aux_loss != "global_aux" or world is None or world.world_size == 1:
+        return None
+    return world.dp_group.group_name, world.world_size
+
+
 def _stamp(new_nodes: list[fx.Node], origin: fx.Node, layer: str) -> None:
     """Every node the block added gets the layer, its annotated role, and the FFN's provenance."""
     stack = {k: v for k, v in origin.meta.get("nn_module_stack", {}).items() if layer.startswith(clean_path(v[0]))}
     for n in new_nodes:
-        role = n.meta.pop("custom", {}).get("role")
+        custom = n.meta.pop("custom", {})
+        role = custom.get("role")
         n.meta["moe"] = {"layer": layer, **({"role": Role(role)} if role else {})}
+        if "group" in custom:  # a collective the block launched, on this process group
+            n.meta["moe"]["group"] = custom["group"]
         n.meta["nn_module_stack"] = dict(stack)
         if "stack_trace" in origin.meta:
             n.meta["stack_trace"] = origin.meta["stack_trace"]

@@ -41,7 +41,22 @@ def make_step(plan: dict, batch: int) -> tuple[Any, Any, Any]:
 
 
 def _metrics(m: Any) -> dict:
-    return {"loss": m.loss, "load": m.expert_load, "grad_norm": m.grad_norm, "tokens": m.tokens}
+    return {"loss": m.loss, "load": m.expert_load, "grad_norm": m.grad_norm, "tokens": m.tokens,
+            "router_losses": m.router_losses}
+
+
+AUX_STEPS = 2
+
+
+def aux_runs(rank: int = 0, world_size: int = 1, ep: int = 1) -> dict[str, list[dict]]:
+    """AUX_STEPS steps with each Switch-style aux loss; ep = 1 is the one-process reference."""
+    stream, out = data(), {}
+    for kind in ("aux", "global_aux"):
+        plan = {"experts": {**EXPERTS, "aux_loss": kind}, "parallel": {"ep": ep}}
+        _, _, step = make_step(plan, GLOBAL_BATCH // world_size)
+        batch = (lambda i: stream.shard(i, rank, world_size)) if world_size > 1 else stream.__getitem__
+        out[kind] = [_metrics(step(batch(i))) for i in range(AUX_STEPS)]
+    return out
 
 
 def ep2_worker(rank: int, world_size: int, out: str) -> dict:
@@ -59,7 +74,7 @@ def ep2_worker(rank: int, world_size: int, out: str) -> dict:
         {"experts": STATIC, "parallel": {"ep": 2, "dispatch_mode": "static"}}, GLOBAL_BATCH // world_size)
     static_full = check_capture_safety(static_result)
     static_metrics = [_metrics(static_step(stream.shard(i, rank, world_size))) for i in range(2)]
-    return {
+    return {"aux": aux_runs(rank, world_size, ep=2),
         "metrics": metrics, "after": after, "collectives": step.buckets.collectives_per_step(),
         "expert_shapes": {n: tuple(p.shape) for n, p in result.module.named_parameters() if ".experts." in n},
         "dropless_full": (full.safe, str(full)), "dropless_static_region": (static_region.safe, str(static_region)),

@@ -150,6 +150,23 @@ def test_ep2_matches_ep1_step_for_step():
 
 
 @pytest.mark.distributed
+def test_global_aux_loss_at_ep2_is_the_one_process_loss():
+    """global_aux counts the expert load over both ranks: loss, aux and gradients match ep=1; local aux does not."""
+    from _ep_scenario import aux_runs, ep2_results
+
+    _, ranks = ep2_results()
+    ref = aux_runs()
+    assert ref["aux"] == ref["global_aux"]  # one process: the same loss
+    for r in ranks:
+        for a, b in zip(r["aux"]["global_aux"], ref["global_aux"]):
+            assert a["router_losses"]["aux_loss"] == pytest.approx(b["router_losses"]["aux_loss"], rel=1e-6)
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+        local, single = r["aux"]["aux"][0]["router_losses"]["aux_loss"], ref["aux"][0]["router_losses"]["aux_loss"]
+        assert local != pytest.approx(single, rel=1e-5)  # a mean of per-rank products is not the global product
+
+
+@pytest.mark.distributed
 def test_ep2_expert_bias_follows_the_global_load():
     from _ep_scenario import ep2_results
 

@@ -35,8 +35,11 @@ class ExpertsConfig(Section):
     drop_policy: Literal["probs", "position"] = doc_field(
         "probs", "Which tokens an expert over capacity keeps: highest weight, or earliest position."
     )
-    aux_loss: Literal["none", "aux", "seq_aux"] = doc_field(
-        "none", "Load-balancing loss: Switch-style over the batch, or DeepSeek's per sequence."
+    aux_loss: Literal["none", "aux", "seq_aux", "global_aux"] = doc_field(
+        "none", "Load-balancing loss: Switch-style over this rank's batch (aux), DeepSeek's per sequence "
+        "(seq_aux), or Switch-style with the expert load counted over the global batch (global_aux: one "
+        "E-element all-reduce per layer over the data-parallel ranks, so ep or dp > 1 trains exactly like one "
+        "process on the whole batch; Megatron-Core's global_aux_loss)."
     )
     aux_loss_coeff: float = doc_field(0.01, "Weight of the load-balancing loss.")
     z_loss_coeff: float = doc_field(0.0, "Weight of the router z-loss (mean squared logsumexp of logits).")
