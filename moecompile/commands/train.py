@@ -26,7 +26,7 @@ HELP = "Upcycle a dense model into an MoE and train it (ep over local gloo ranks
 
 DEFAULT_MODEL = "tiny-llama"
 DEFAULT_MODEL_CONFIG = {"hidden_size": 128, "intermediate_size": 256}  # only when --model is not given
-DEFAULT_PLAN = {"experts": {"num_experts": 8, "top_k": 2, "aux_loss": "aux", "aux_loss_coeff": 1e-2,
+DEFAULT_PLAN = {"experts": {"num_experts": 8, "top_k": 2, "aux_loss": "global_aux", "aux_loss_coeff": 1e-2,
                             "router_noise": 0.01}}
 
 
