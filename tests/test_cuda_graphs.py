@@ -224,6 +224,18 @@ def test_partial_capture_replays_the_eager_step_on_emulated_graphs(precision):
     assert partial == eager  # bitwise; in bf16 only if the regions were captured under autocast
 
 
+@pytest.mark.parametrize("runner", ["full", "partial"])
+def test_captured_steps_keep_fp8_scaling_state_recompute_and_offload(runner):
+    """Delayed fp8 scaling keeps an amax history across steps: it must live in tensors a replay updates."""
+    plan = {**STATIC, "experts": {**STATIC["experts"], "expert_bias": True, "z_loss_coeff": 1e-3},
+            "fp8": {"recipe": "delayed", "modules": ["experts", "dense"]},
+            "recompute": {"modules": ["moe_act", "layernorm"], "offload": ["attention"]}}
+    eager, _ = _emulated(plan, None)
+    captured, graphs = _emulated(plan, runner)
+    assert graphs and all(g.replays == 3 for g in graphs)
+    assert captured == eager
+
+
 def test_partial_capture_refuses_another_shape():
     from _graph_emulator import emulated_cuda_graphs
 
