@@ -378,8 +378,10 @@ def _check_unchanged(captured: list[dict], optimizer: torch.optim.Optimizer) -> 
     for i, (then, now) in enumerate(zip(captured, _hyperparameters(optimizer))):
         for key in then:
             if now.get(key) != then[key]:
+                tensor = isinstance(then[key], tuple) and then[key][:1] == ("tensor",)
+                change = "was replaced by another object" if tensor else f"changed from {then[key]} to {now.get(key)}"
                 raise MoecompileError(
-                    f"optimizer param_groups[{i}][{key!r}] changed from {then[key]} to {now.get(key)} after the step "
+                    f"optimizer param_groups[{i}][{key!r}] {change} after the step "
                     "was captured into a CUDA graph, and a replay uses the captured value. Keep it fixed, or make it a "
                     "tensor updated in place (torch.optim.lr_scheduler fills a tensor lr in place; the step makes "
                     "Adam/AdamW's lr a tensor when it captures)")
@@ -408,10 +410,8 @@ class FullGraphRunner:
             self.calls += 1
             return self._eager(inputs, targets, check_sync=self.calls == self.warmup)
         if key not in self.graphs:
-            if self.frozen is not None:
-                _check_unchanged(self.frozen, self.step.optimizer)
+            self.frozen = self.frozen or _hyperparameters(self.step.optimizer)
             self.graphs[key] = self._capture(inputs, targets)
-            self.frozen = _hyperparameters(self.step.optimizer)
         _check_unchanged(self.frozen, self.step.optimizer)
         graph, static_in, static_tg, static_out = self.graphs[key]
         _copy_into(static_in, inputs)

@@ -255,36 +255,30 @@ def test_partial_capture_refuses_another_shape():
 # ---------------------------------------------------------------- on a GPU
 
 
-def _steps(mode: str, n: int = 6) -> list[float]:
+# eager uses AdamW as given, a capture its capturable form (same math, other rounding); bf16 may
+# then round a few activations the other way
+_REL = {"fp32": 1e-4, "bf16": 5e-3}
+
+
+def _steps(mode: str, precision: str, n: int = 6) -> list[float]:
     plan = {**STATIC, "cuda_graph": {"mode": mode, "warmup_steps": 2}}
     result, _ = convert(plan, "cuda")
-    step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3), precision="fp32")
+    step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3), precision=precision)
     data = ByteBatches(stdlib_bytes(100_000), BATCH, SEQ)
     return [step(tuple(t.cuda() for t in data[i])).loss for i in range(n)]
 
 
 @pytest.mark.gpu
 @gpu
-def test_full_capture_replays_the_eager_step():
-    eager, full = _steps("none"), _steps("full")
-    assert full == pytest.approx(eager, rel=1e-4, abs=1e-5)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_full_capture_replays_the_eager_step(precision):
+    eager, full = _steps("none", precision), _steps("full", precision)
+    assert full == pytest.approx(eager, rel=_REL[precision], abs=1e-5)
 
 
 @pytest.mark.gpu
 @gpu
-def test_partial_capture_replays_the_eager_step():
-    eager, partial = _steps("none"), _steps("partial")
-    assert partial == pytest.approx(eager, rel=1e-4, abs=1e-5)
-
-
-@pytest.mark.distributed
-def test_ep2_steps_replay_on_emulated_graphs():
-    """Gradient sync, the static all-to-all and the expert-bias update inside one captured step."""
-    from _graph_scenario import ep2_graphs_worker
-    from _spawn import run
-
-    for r in run(ep2_graphs_worker, 2, timeout=300):
-        assert r["full_replays"] == [3]
-        assert r["full"] == r["static_eager"]
-        assert r["partial_replays"] and set(r["partial_replays"]) == {3}
-        assert r["partial"] == r["dropless_eager"]
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_partial_capture_replays_the_eager_step(precision):
+    eager, partial = _steps("none", precision), _steps("partial", precision)
+    assert partial == pytest.approx(eager, rel=_REL[precision], abs=1e-5)
