@@ -28,7 +28,7 @@ def _losses(plan: dict, runner: str | None, rank: int, world_size: int) -> list[
 def ep2_graphs_worker(rank: int, world_size: int) -> dict:
     from _graph_emulator import emulated_cuda_graphs
 
-    static = {"experts": STATIC, "parallel": {"ep": 2, "dispatch_mode": "static"}}
+    static = {"experts": {**STATIC, "aux_loss": "global_aux"}, "parallel": {"ep": 2, "dispatch_mode": "static"}}
     dropless = {"experts": EXPERTS, "parallel": {"ep": 2}}
     out = {}
     with emulated_cuda_graphs() as graphs:

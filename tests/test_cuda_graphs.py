@@ -252,6 +252,19 @@ def test_partial_capture_refuses_another_shape():
             step(ByteBatches(stdlib_bytes(100_000), 2, SEQ)[0])
 
 
+@pytest.mark.distributed
+def test_ep2_steps_replay_on_emulated_graphs():
+    """Gradient sync, the static all-to-all, the global_aux load all-reduce and the expert bias in one captured step."""
+    from _graph_scenario import ep2_graphs_worker
+    from _spawn import run
+
+    for r in run(ep2_graphs_worker, 2, timeout=300):
+        assert r["full_replays"] == [3]
+        assert r["full"] == r["static_eager"]
+        assert r["partial_replays"] and set(r["partial_replays"]) == {3}
+        assert r["partial"] == r["dropless_eager"]
+
+
 # ---------------------------------------------------------------- on a GPU
 
 
@@ -282,3 +295,4 @@ def test_full_capture_replays_the_eager_step(precision):
 def test_partial_capture_replays_the_eager_step(precision):
     eager, partial = _steps("none", precision), _steps("partial", precision)
     assert partial == pytest.approx(eager, rel=_REL[precision], abs=1e-5)
+
