@@ -369,22 +369,23 @@ def _make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> 
 
 
 def _hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """What a captured optimizer step froze: Python values, and which tensor each tensor entry is."""
-    return [{k: ("tensor", id(v)) if isinstance(v, torch.Tensor) else v for k, v in g.items() if k != "params"}
-            for g in optimizer.param_groups]
+    """What a captured optimizer step froze: each group's values (tensors: the objects themselves)."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
 def _check_unchanged(captured: list[dict], optimizer: torch.optim.Optimizer) -> None:
     for i, (then, now) in enumerate(zip(captured, _hyperparameters(optimizer))):
-        for key in then:
-            if now.get(key) != then[key]:
-                tensor = isinstance(then[key], tuple) and then[key][:1] == ("tensor",)
-                change = "was replaced by another object" if tensor else f"changed from {then[key]} to {now.get(key)}"
-                raise MoecompileError(
-                    f"optimizer param_groups[{i}][{key!r}] {change} after the step "
-                    "was captured into a CUDA graph, and a replay uses the captured value. Keep it fixed, or make it a "
-                    "tensor updated in place (torch.optim.lr_scheduler fills a tensor lr in place; the step makes "
-                    "Adam/AdamW's lr a tensor when it captures)")
+        for key, was in then.items():
+            value = now.get(key)
+            tensor = isinstance(was, torch.Tensor)
+            if value is was or (not tensor and value == was):
+                continue
+            change = "was replaced by another object" if tensor else f"changed from {was} to {value}"
+            raise MoecompileError(
+                f"optimizer param_groups[{i}][{key!r}] {change} after the step was captured into a CUDA graph, "
+                "and a replay uses the captured value. Keep it fixed, or make it a tensor updated in place "
+                "(torch.optim.lr_scheduler fills a tensor lr in place; the step makes Adam/AdamW's lr a tensor "
+                "when it captures)")
 
 
 class FullGraphRunner:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch.fx.traceback import annotate
 
 import moecompile.kernels  # noqa: F401  (registers torch.ops.moecompile.*)
+from moecompile.distributed import ALL_REDUCE, wait_tensor
 from moecompile.errors import PlanError
 from moecompile.graph import add_parameter, clean_path, delete_unused_attrs, get_attr_value, inline, trace_block
 from moecompile.meta import FFNInfo, MoEInfo, Role, moe, set_moe
@@ -153,7 +154,7 @@ def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, load_group
             x_NH, row_src_N, sizes_E, load_E = mc.permute(x_TH, idx_TK, weights_TK, E, capacity, cfg.drop_policy)
         if load_group is not None:
             with annotate({"role": "collective_start", "group": load_group[0]}):
-                pending = torch.ops._c10d_functional.all_reduce(load_E, "sum", load_group[0])
+                pending = ALL_REDUCE(load_E, "sum", load_group[0])
         y_NH = expert_mlp(x_NH, w_in, w_out, b_in, b_out, sizes_E)
         with annotate({"role": "combine"}):
             y_TH = mc.unpermute(y_NH, row_src_N, weights_TK, x_TH.shape[0])
@@ -163,7 +164,7 @@ def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, load_group
         global_load = None
         if load_group is not None:
             with annotate({"role": "collective_wait", "group": load_group[0]}):
-                global_load = (torch.ops._c10d_functional.wait_tensor(pending), load_group[1])
+                global_load = (wait_tensor(pending, "global expert load (global_aux)", load_group[0]), load_group[1])
         with annotate({"role": "router_loss"}):
             side = router_losses(logits_TE, idx_TK, load_E, cfg, x.shape[1] if x.dim() == 3 else None, global_load)
         return y_TH.view(x.shape), {"load": load_E, **side}

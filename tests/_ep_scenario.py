@@ -30,13 +30,14 @@ def data():
     return ByteBatches(stdlib_bytes(300_000), GLOBAL_BATCH, SEQ, seed=0)
 
 
-def make_step(plan: dict, batch: int) -> tuple[Any, Any, Any]:
+def make_step(plan: dict, batch: int, capturable: bool = False) -> tuple[Any, Any, Any]:
     import moecompile as mc
     from moecompile.models import build_model
 
     dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=batch, seq_len=SEQ)
     result = mc.convert(dense, plan, (ids,))
-    step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3), clip_grad_norm=1.0)
+    step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3, capturable=capturable),
+                               clip_grad_norm=1.0)
     return dense, result, step
 
 
@@ -54,8 +55,7 @@ def aux_runs(rank: int = 0, world_size: int = 1, ep: int = 1) -> dict[str, list[
     for kind in ("aux", "global_aux"):
         plan = {"experts": {**EXPERTS, "aux_loss": kind}, "parallel": {"ep": ep}}
         _, _, step = make_step(plan, GLOBAL_BATCH // world_size)
-        batch = (lambda i: stream.shard(i, rank, world_size)) if world_size > 1 else stream.__getitem__
-        out[kind] = [_metrics(step(batch(i))) for i in range(AUX_STEPS)]
+        out[kind] = [_metrics(step(stream.shard(i, rank, world_size))) for i in range(AUX_STEPS)]
     return out
 
 

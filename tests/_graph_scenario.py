@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from _ep_scenario import EXPERTS, GLOBAL_BATCH, SEQ, STATIC, data
+from _ep_scenario import EXPERTS, GLOBAL_BATCH, STATIC, data, make_step
 
 STEPS = 5
 
 
 def _losses(plan: dict, runner: str | None, rank: int, world_size: int) -> list[float]:
-    import moecompile as mc
     import moecompile.cuda_graphs as cg
-    from moecompile.models import build_model
 
     torch.manual_seed(0)
-    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=GLOBAL_BATCH // world_size, seq_len=SEQ)
-    result = mc.convert(dense, {**plan, "cuda_graph": {"warmup_steps": 2}}, (ids,))
-    step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3, capturable=True),
-                               clip_grad_norm=1.0)
+    _, _, step = make_step({**plan, "cuda_graph": {"warmup_steps": 2}}, GLOBAL_BATCH // world_size, capturable=True)
     if runner is not None:
         step.runner = {"full": cg.FullGraphRunner, "partial": cg.PartialGraphRunner}[runner](step)
     stream = data()

@@ -158,6 +158,7 @@ def test_global_aux_loss_at_ep2_is_the_one_process_loss():
     ref = aux_runs()
     assert ref["aux"] == ref["global_aux"]  # one process: the same loss
     for r in ranks:
+        assert len(r["aux"]["global_aux"]) == len(ref["global_aux"]) == 2
         for a, b in zip(r["aux"]["global_aux"], ref["global_aux"]):
             assert a["router_losses"]["aux_loss"] == pytest.approx(b["router_losses"]["aux_loss"], rel=1e-6)
             assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
