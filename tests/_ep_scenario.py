@@ -2,7 +2,8 @@
 
 ep = 2 on 2 gloo ranks: train STEPS steps on each rank's shard of the global batch, save a
 checkpoint, take one more step, export to Hugging Face (experts gathered), scan capture
-safety of the dropless graph, then a static-capacity run with the expert bias on.
+safety of the dropless graph, then a static-capacity run with the expert bias on; the aux-loss runs
+are repeated at ep = 1 on the same 2 ranks (pure data parallelism).
 ``four_ranks_from_checkpoint`` loads that checkpoint on 4 ranks at ep = 4 or at ep = 2 (edp = 2).
 """
 
@@ -74,7 +75,7 @@ def ep2_worker(rank: int, world_size: int, out: str) -> dict:
         {"experts": STATIC, "parallel": {"ep": 2, "dispatch_mode": "static"}}, GLOBAL_BATCH // world_size)
     static_full = check_capture_safety(static_result)
     static_metrics = [_metrics(static_step(stream.shard(i, rank, world_size))) for i in range(2)]
-    return {"aux": aux_runs(rank, world_size, ep=2),
+    return {"aux": aux_runs(rank, world_size, ep=2), "aux_dp": aux_runs(rank, world_size, ep=1),
         "metrics": metrics, "after": after, "collectives": step.buckets.collectives_per_step(),
         "expert_shapes": {n: tuple(p.shape) for n, p in result.module.named_parameters() if ".experts." in n},
         "dropless_full": (full.safe, str(full)), "dropless_static_region": (static_region.safe, str(static_region)),

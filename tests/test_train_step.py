@@ -168,6 +168,24 @@ def test_global_aux_loss_at_ep2_is_the_one_process_loss():
 
 
 @pytest.mark.distributed
+def test_pure_data_parallel_matches_one_process():
+    """ep=1 on 2 ranks: every expert on every rank, all grads reduced over dp; global_aux is the one-process loss."""
+    from _ep_scenario import aux_runs, ep2_results
+
+    _, ranks = ep2_results()
+    ref = aux_runs()
+    for r in ranks:
+        for a, b in zip(r["aux_dp"]["global_aux"], ref["global_aux"], strict=True):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+            assert a["router_losses"]["aux_loss"] == pytest.approx(b["router_losses"]["aux_loss"], rel=1e-6)
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+            assert a["load"] == b["load"]  # the reported load is the global one
+        local, single = r["aux_dp"]["aux"][0]["router_losses"]["aux_loss"], ref["aux"][0]["router_losses"]["aux_loss"]
+        assert local != pytest.approx(single, rel=1e-5)
+    assert ranks[0]["aux_dp"] == ranks[1]["aux_dp"]  # replicated: both ranks report the same
+
+
+@pytest.mark.distributed
 def test_ep2_expert_bias_follows_the_global_load():
     from _ep_scenario import ep2_results
 
