@@ -20,7 +20,9 @@ dense layers into Mixtral...) is an :class:`ExportError` that says what to chang
 from __future__ import annotations
 
 import logging
+import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -192,8 +194,11 @@ def export_hf(result: Any, path: str | Path, arch: str = "mixtral", config: Any 
         path.mkdir(parents=True, exist_ok=True)
         dtype = next(iter(tensors.values())).dtype
         cfg.dtype = str(dtype).replace("torch.", "")
-        cfg.save_pretrained(path)
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        with tempfile.TemporaryDirectory(dir=path, prefix=".export-") as tmp:  # a crash leaves the old files whole
+            cfg.save_pretrained(tmp)
+            save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+            for name in ("model.safetensors", "config.json"):
+                os.replace(os.path.join(tmp, name), path / name)
         log.info("exported %d tensors as %s to %s", len(tensors), arch, path)
     if world is not None and world.world_size > 1:
         dist.barrier(group=world.dp_group)

@@ -3,14 +3,19 @@
     model, (ids,) = build_model("tiny-llama")                       # 2 layers, hidden 32
     model, (ids,) = build_model("tiny-llama", num_hidden_layers=4, seq_len=32)
     model, (ids,) = build_model("path/to/config.json")              # any Hugging Face causal LM config
+    model, (ids,) = build_model("path/to/checkpoint")               # save_pretrained output: its weights
 
-Weights are random (seeded); example inputs are token ids ``[batch_size, seq_len]``.
-Keyword overrides set fields of the Hugging Face config; ``batch_size``, ``seq_len``,
-``seed`` and ``dtype`` shape the example batch and the weights instead.
+A zoo name or a bare config gets random (seeded) weights; a directory that also holds weights
+(``model.safetensors``, ``pytorch_model.bin`` or their sharded indexes) is loaded with them, in
+float32 unless ``dtype`` says otherwise, since upcycling a trained dense model is the point.
+Example inputs are token ids ``[batch_size, seq_len]``. Keyword overrides set fields of the
+Hugging Face config; ``batch_size``, ``seq_len``, ``seed`` and ``dtype`` shape the example
+batch and the weights instead.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -63,6 +68,15 @@ MODELS: dict[str, ZooEntry] = {
                               "max_position_embeddings": 2048}),
     ),
 }
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def has_weights(name_or_path: str | Path) -> bool:
+    """Whether ``name_or_path`` is a checkpoint directory with weights (not just a config)."""
+    path = Path(str(name_or_path))
+    return str(name_or_path) not in MODELS and path.is_dir() and any((path / f).is_file() for f in WEIGHT_FILES)
 
 
 def list_models() -> list[tuple[str, str]]:
@@ -135,13 +149,67 @@ def build_model(
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos is not None and seq_len > max_pos:
         raise MoecompileError(f"seq_len {seq_len} exceeds the model's max_position_embeddings {max_pos}; lower seq_len")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
     dt = _dtype(dtype)
-    if dt is not None:
-        model = model.to(dt)
+    if has_weights(name_or_config_path):
+        model = _from_pretrained(Path(str(name_or_config_path)), config, dt or torch.float32)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config)
+        if dt is not None:
+            model = model.to(dt)
     model.train()
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=g)
     return model, (ids,)
+
+
+def _from_pretrained(path: Path, config: Any, dtype: torch.dtype) -> nn.Module:
+    """Load a local checkpoint; a weight that is missing or has another shape is an error, not random init."""
+    from transformers import AutoModelForCausalLM
+
+    with _quiet_transformers():
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(  # mismatches are reported below, by name
+                path, config=config, dtype=dtype, local_files_only=True, output_loading_info=True,
+                ignore_mismatched_sizes=True)
+        except (OSError, RuntimeError, ValueError) as e:
+            raise MoecompileError(f"cannot load the checkpoint in {path}: {str(e).splitlines()[0]}") from e
+    for kind in ("missing_keys", "mismatched_keys"):
+        if info.get(kind):
+            names = sorted(_describe_key(k) for k in info[kind])
+            raise MoecompileError(
+                f"the checkpoint in {path} does not fit its config: {len(names)} {kind.replace('_', ' ')} "
+                f"({'; '.join(names[:3])}{'; ...' if len(names) > 3 else ''}); they would start random. If a "
+                "--config override changed a layer count or a shape (hidden_size, intermediate_size, vocab_size), "
+                "drop it: the checkpoint fixes those")
+    if info.get("unexpected_keys"):
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "%s: %d checkpoint tensors are not used by the model (e.g. %s); fewer layers were asked for?",
+            path, len(info["unexpected_keys"]), sorted(info["unexpected_keys"])[0])
+    return model
+
+
+def _describe_key(key: Any) -> str:
+    if isinstance(key, tuple) and len(key) == 3:  # (name, checkpoint shape, model shape)
+        name, have, want = key
+        return f"{name}: checkpoint {list(have)}, model {list(want)}"
+    return str(key)
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers prints a progress bar and a load report per checkpoint; our errors say what matters."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()

@@ -59,8 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = _EPILOG.format(zoo=zoo, fields=fields)
     p.add_argument("--model", required=True, metavar="NAME|CONFIG",
-                   help="a zoo model (see below) or a Hugging Face config.json (or a directory holding one); "
-                        "built from the config with random weights")
+                   help="a zoo model (see below), a Hugging Face config.json (random weights) or a "
+                        "save_pretrained directory (its weights are loaded)")
     p.add_argument("--plan", metavar="PLAN.yaml", default=None,
                    help="the plan (YAML or JSON); default: every section's defaults")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.FIELD=VALUE",

@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = __doc__.split("\n\n", 1)[1]
     p.add_argument("--model", default=None, metavar="NAME|CONFIG",
-                   help=f"zoo model or Hugging Face config.json (default: {DEFAULT_MODEL} with hidden 128, FFN 256)")
+                   help=f"zoo model, Hugging Face config.json, or a save_pretrained directory whose weights are "
+                        f"upcycled (default: {DEFAULT_MODEL} with hidden 128, FFN 256)")
     p.add_argument("--config", dest="configs", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a field of the model's config (repeatable), e.g. num_hidden_layers=4")
     p.add_argument("--plan", default=None, metavar="PLAN.yaml",
@@ -119,7 +120,7 @@ def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
     from .. import convert
     from .. import distributed
     from ..errors import MoecompileError
-    from ..models import build_model, load_config
+    from ..models import build_model, has_weights, load_config
     from ..train_step import build_train_step
     from .inspect import _key_value, apply_sets, load_plan
 
@@ -142,9 +143,14 @@ def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
     model = args.model or DEFAULT_MODEL
     if args.model is None:
         overrides = {**DEFAULT_MODEL_CONFIG, **overrides}
-    if load_config(model).vocab_size < 256:
-        overrides.setdefault("vocab_size", 256)  # byte-level data
-    overrides.setdefault("max_position_embeddings", max(args.seq, 128))
+    if has_weights(model):  # a trained checkpoint fixes its shapes: check instead of overriding
+        if load_config(model).vocab_size < 256:
+            raise MoecompileError(f"{model} has a vocabulary of {load_config(model).vocab_size} tokens; the "
+                                  "byte-level text needs at least 256")
+    else:
+        if load_config(model).vocab_size < 256:
+            overrides.setdefault("vocab_size", 256)  # byte-level data
+        overrides.setdefault("max_position_embeddings", max(args.seq, 128))
     dense, (ids,) = build_model(model, batch_size=args.batch // world_size, seq_len=args.seq, seed=args.seed,
                                 **overrides)
     result = convert(dense, plan, (ids,), world=world)
@@ -190,7 +196,10 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
         s.plan.save(out / "plan.yaml")
         e = s.plan.experts
         n_params = sum(p.numel() for p in s.result.module.parameters())
-        print(f"moecompile train: {args.model or DEFAULT_MODEL} -> {e.num_experts} experts top-{e.top_k} "
+        from ..models import has_weights
+
+        source = f"{args.model} (weights loaded)" if has_weights(args.model or "") else args.model or DEFAULT_MODEL
+        print(f"moecompile train: {source} -> {e.num_experts} experts top-{e.top_k} "
               f"(G={e.granularity}), ep={s.plan.parallel.ep} over {world_size} rank(s) "
               f"({s.plan.parallel.dispatcher}, {s.plan.parallel.dispatch_mode}); {n_params:,} parameters on this rank; "
               f"batch {args.batch} x {args.seq} bytes of {len(text):,} bytes of text", flush=True)
