@@ -47,6 +47,16 @@ def _fail(arch: str, what: str, fix: str) -> None:
     raise ExportError(f"cannot export as {arch}: {what}; {fix}")
 
 
+def arch_for(model_type: str | None) -> str:
+    """The Hugging Face MoE architecture a dense ``model_type`` exports as (qwen3 -> qwen3_moe, llama -> mixtral)."""
+    for name, (_cfg, _cls, sources) in ARCHS.items():
+        if model_type in sources:
+            return name
+    supported = "; ".join(f"{', '.join(v[2])} -> {k}" for k, v in ARCHS.items())
+    raise ExportError(f"no Hugging Face MoE architecture takes a {model_type!r} model ({supported}); "
+                      "use moecompile.convert and build_train_step to train it without exporting")
+
+
 def _check(result: Any, arch: str, config: Any, blocks: dict[str, Any]) -> None:
     plan = result.plan.experts
     src = getattr(config, "model_type", None)

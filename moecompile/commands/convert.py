@@ -78,10 +78,10 @@ def convert_checkpoint(args: argparse.Namespace) -> dict[str, str]:
 
     from .. import convert
     from ..errors import MoecompileError
-    from ..export_hf import export_hf
+    from ..export_hf import arch_for, export_hf
     from ..models import build_model, has_weights
-    from ..plan import Plan
     from ..costs import human
+    from ..plan import Plan
     from ..report import render_markdown, report_rows
     from .inspect import _key_value, apply_sets
 
@@ -98,7 +98,7 @@ def convert_checkpoint(args: argparse.Namespace) -> dict[str, str]:
     overrides = dict(_key_value(item, "--config") for item in args.configs)
     dense, (ids,) = build_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                                 dtype=args.dtype, **overrides)
-    arch = _arch(args.arch, getattr(dense.config, "model_type", None))
+    arch = args.arch if args.arch != "auto" else arch_for(getattr(dense.config, "model_type", None))
     dense.eval()
     start = time.perf_counter()
     result = convert(dense, plan, (ids,))
@@ -116,16 +116,17 @@ def convert_checkpoint(args: argparse.Namespace) -> dict[str, str]:
         back = reloaded(ids).logits
     trip_delta = _max_rel(back, got)
     dtype = str(got.dtype).replace("torch.", "")
-    if trip_delta > _RTOL.get(dtype, _LOW_PRECISION_RTOL):
+    tol = _RTOL.get(dtype, _LOW_PRECISION_RTOL)
+    if trip_delta > tol:
         raise MoecompileError(
             f"the checkpoint written to {out} does not reproduce the upcycled model: max |delta logit| is "
-            f"{trip_delta:.3g} of the logits' scale (allowed {_RTOL.get(dtype, _LOW_PRECISION_RTOL):g}); "
+            f"{trip_delta:.3g} of the logits' scale (allowed {tol:g}); "
             "this is a moecompile bug, please report it with moecompile_plan.yaml")
 
     e = plan.experts
     dense_params = sum(p.numel() for p in dense.parameters())
     moe_params = sum(p.numel() for p in reloaded.parameters())
-    preserved = init_delta <= _RTOL.get(dtype, _LOW_PRECISION_RTOL)
+    preserved = init_delta <= tol
     return {
         "source": f"{args.model} ({type(dense).__name__}, {'weights loaded' if has_weights(args.model) else 'random weights'})",
         "wrote": f"{out}/ as {arch} ({type(reloaded).__name__}): {len(result.record('upcycle').data.get('layers', []))} "
@@ -148,19 +149,6 @@ def _experts_plan(plan: Any) -> Any:
               "the checkpoint routes dropless", file=sys.stderr)
         experts["capacity_factor"] = None
     return Plan.from_dict({"experts": experts})
-
-
-def _arch(arch: str, model_type: str | None) -> str:
-    from ..export_hf import ARCHS, ExportError
-
-    if arch != "auto":
-        return arch
-    for name, (_cfg, _cls, sources) in ARCHS.items():
-        if model_type in sources:
-            return name
-    supported = ", ".join(f"{', '.join(v[2])} -> {k}" for k, v in ARCHS.items())
-    raise ExportError(f"no Hugging Face MoE architecture takes a {model_type!r} model ({supported}); "
-                      "use moecompile.convert and build_train_step to train it without exporting")
 
 
 def _max_rel(a: Any, b: Any) -> float:
