@@ -18,8 +18,7 @@ import json
 import time
 from pathlib import Path
 
-from moecompile.bench import BenchSpec, bench
-from moecompile.commands.bench import render
+from moecompile.bench import BenchSpec, bench, render
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -198,3 +198,25 @@ def _plain_step(model: torch.nn.Module, lr: float, aux_coeff: float) -> Callable
         return lm.item()
 
     return step
+
+
+def render(spec: BenchSpec, rows: list[BenchRow]) -> str:
+    """The table: one line per variant, ratios against the fastest HF MoE and against dense."""
+    e = spec.plan["experts"]
+    by = {r.variant: r for r in rows}
+    hf = [r for r in rows if r.variant.startswith("hf_")]
+    fastest_hf = max(hf, key=lambda r: r.tokens_per_s) if hf else None
+    dense = by.get("dense")
+    lines = [f"{spec.model}: {e['num_experts']} experts top-{e['top_k']}, batch {spec.batch} x {spec.seq} tokens, "
+             f"median of {spec.steps} steps after {spec.warmup} warm-up, {spec.rounds} round(s) of fresh processes",
+             f"{'variant':<18}{'ms/step':>9}{'min..max':>17}{'tokens/s':>10}{'vs HF':>8}{'vs dense':>9}"
+             f"{'RSS +MB':>9}  lm loss first -> last"]
+    for r in rows:
+        vs_hf = f"{r.tokens_per_s / fastest_hf.tokens_per_s:.2f}x" if fastest_hf else "-"
+        vs_dense = f"{r.tokens_per_s / dense.tokens_per_s:.2f}x" if dense else "-"
+        lines.append(f"{r.variant:<18}{r.ms:9.1f}{f'{r.ms_min:.1f}..{r.ms_max:.1f}':>17}{r.tokens_per_s:10,.0f}"
+                     f"{vs_hf:>8}{vs_dense:>9}{r.peak_rss_growth_mb:9.1f}  {r.losses[0]:.4f} -> {r.losses[-1]:.4f}")
+    if fastest_hf:
+        lines.append(f"vs HF: tokens/s over the fastest Hugging Face MoE ({fastest_hf.variant}); "
+                     "vs dense: over the source model without experts")
+    return "\n".join(lines)
