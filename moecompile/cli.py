@@ -33,8 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; a MoecompileError (or a missing file) is its message and exit status 2, not a traceback."""
+    from .errors import MoecompileError
+
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except (MoecompileError, FileNotFoundError) as e:
+        print(f"moecompile {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 HELP = "Time the training step of a model under a plan: moecompile vs the dense model vs Hugging Face's MoE classes."
@@ -56,16 +55,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import MoecompileError
-
-    try:
-        return _run(args)
-    except MoecompileError as e:
-        print(f"moecompile bench: {e}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
     from ..bench import BenchSpec, bench, render
     from ..errors import MoecompileError
     from ..plan import Plan

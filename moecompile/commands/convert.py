@@ -60,13 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import MoecompileError
-
-    try:
-        summary = convert_checkpoint(args)
-    except MoecompileError as e:
-        print(f"moecompile convert: {e}", file=sys.stderr)
-        return 2
+    summary = convert_checkpoint(args)
     for key, value in summary.items():
         print(f"  {key:<12}{value}")
     return 0

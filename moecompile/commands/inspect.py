@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import html
 import importlib
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -131,19 +130,6 @@ def _layer(text: str | None) -> str | int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import MoecompileError
-
-    try:
-        return _run(args)
-    except MoecompileError as e:
-        print(f"moecompile inspect: {e}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:
-        print(f"moecompile inspect: {e}", file=sys.stderr)
-        return 2
-
-
-def _run(args: argparse.Namespace) -> int:
     from .. import convert
     from ..diff import diff
     from ..errors import MoecompileError
