@@ -37,10 +37,27 @@ if __name__ == "moecompile.kernels":
     from .route import route, route_ref
     from .unpermute import unpermute, unpermute_ref
 else:
-    # Run from the repository root, this folder shadows any top-level package named `kernels`:
-    # transformers probes for Hugging Face's `kernels` and would import this one, defining every
-    # op a second time. Under any name but moecompile.kernels it is an empty shell, and no
-    # __file__ is how that probe recognises a shadowing folder rather than a real install.
+    # Run from the repository root (python -m pytest puts it on sys.path), this folder shadows any
+    # top-level package named `kernels`: transformers probes for Hugging Face's `kernels` and would
+    # import this one, defining every op a second time. So under any name but moecompile.kernels
+    # it hands over to the real package when one is installed (the import statement returns what
+    # sys.modules holds once this file has run), and is otherwise an empty shell without __file__,
+    # which is how transformers' probe recognises a shadowing folder rather than a real install.
+    def _hand_over() -> None:
+        import importlib.machinery
+        import importlib.util
+        import os
+        import sys
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+        spec = importlib.machinery.PathFinder.find_spec(__name__, path)
+        if spec is not None and spec.loader is not None:
+            real = importlib.util.module_from_spec(spec)
+            sys.modules[__name__] = real
+            spec.loader.exec_module(real)
+
+    _hand_over()
     __file__ = None  # type: ignore[assignment]
 
 __all__ = [
