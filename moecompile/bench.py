@@ -173,9 +173,9 @@ def _hf_peer(result: Any, config: Any, experts_implementation: str, aux: bool) -
     from transformers import AutoModelForCausalLM
 
     from .export_hf import arch_for, export_hf
-    from .models import _quiet_transformers
+    from .models import quiet_transformers
 
-    with tempfile.TemporaryDirectory() as tmp, _quiet_transformers():
+    with tempfile.TemporaryDirectory() as tmp, quiet_transformers():
         export_hf(result, tmp, arch=arch_for(getattr(config, "model_type", None)), config=config)
         model = AutoModelForCausalLM.from_pretrained(tmp, experts_implementation=experts_implementation,
                                                      dtype=torch.float32)

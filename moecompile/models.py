@@ -168,7 +168,7 @@ def _from_pretrained(path: Path, config: Any, dtype: torch.dtype) -> nn.Module:
     """Load a local checkpoint; a weight that is missing or has another shape is an error, not random init."""
     from transformers import AutoModelForCausalLM
 
-    with _quiet_transformers():
+    with quiet_transformers():
         try:
             model, info = AutoModelForCausalLM.from_pretrained(  # mismatches are reported below, by name
                 path, config=config, dtype=dtype, local_files_only=True, output_loading_info=True,
@@ -200,7 +200,7 @@ def _describe_key(key: Any) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_transformers():
+def quiet_transformers():
     """transformers prints a progress bar and a load report per checkpoint; our errors say what matters."""
     from transformers.utils import logging as hf_logging
 

@@ -73,8 +73,8 @@ def convert_checkpoint(args: argparse.Namespace) -> dict[str, str]:
     from .. import convert
     from ..errors import MoecompileError
     from ..export_hf import arch_for, export_hf
-    from ..models import build_model, has_weights
     from ..costs import human
+    from ..models import build_model, has_weights
     from ..plan import Plan
     from ..report import render_markdown, report_rows
     from .inspect import _key_value, apply_sets
@@ -154,8 +154,8 @@ def _max_rel(a: Any, b: Any) -> float:
 def _load(path: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from ..models import _quiet_transformers
+    from ..models import quiet_transformers
 
-    with _quiet_transformers():
+    with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     return model.eval()

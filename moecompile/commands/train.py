@@ -60,17 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..errors import MoecompileError
-
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    try:
-        if under_torchrun or args.nproc == 1:
-            train(args, rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
-            return 0
-        return _spawn(args)
-    except MoecompileError as e:
-        print(f"moecompile train: {e}", file=sys.stderr)
-        return 2
+    if under_torchrun or args.nproc == 1:
+        train(args, rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        return 0
+    return _spawn(args)
 
 
 def _spawn(args: argparse.Namespace) -> int:
