@@ -7,8 +7,9 @@ Legend: N permuted rows, E experts, I in features, O out features.
     y_NO[2:5] = x_NI[2:5] @ w_EOI[1].T (+ bias_EO[1])
 
 Weights are [E, O, I] like nn.Linear, so a dense FFN's weights stack straight in.
-On a GPU the sizes stay on the device (torch._grouped_mm, no host sync); on the CPU,
-where reading them is free, it is one BLAS call per expert into a slice of the output.
+The reference is one torch._grouped_mm for all experts (the sizes stay on the device:
+no host sync), except where a loop of one BLAS call per expert is the only kernel or
+measured faster (float64; native bf16/fp16 on a CPU): see `_one_call`.
 """
 import functools
 from typing import Optional
@@ -49,15 +50,24 @@ def _expert_of_row(group_sizes_E: Tensor, N: int) -> Tensor:
 def _pad_to(t: Tensor, dim: int, multiple: int) -> Tensor:
     extra = -t.shape[dim] % multiple
     if extra == 0:
-        return t.contiguous()
+        return t
     pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, extra]
-    return torch.nn.functional.pad(t, pad).contiguous()
+    return torch.nn.functional.pad(t, pad)
 
 
 def _align(dtype: torch.dtype) -> int:
     # torch._grouped_mm wants every non-unit stride a multiple of 16 bytes; zero
     # padding of the feature dims satisfies that and leaves the products exact.
     return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+def _matrix_layout(t: Tensor, multiple: int) -> Tensor:
+    """`t` itself if its last two dims have one unit stride and aligned others (a transposed view
+    passes: dgrad reads w in place), else a contiguous copy."""
+    inner = t.stride()[-2:]
+    if 1 in inner and all(s == 1 or s % multiple == 0 for s in t.stride()):
+        return t
+    return t.contiguous()
 
 
 @functools.cache
@@ -70,63 +80,87 @@ def _cpu_has_native(dtype: torch.dtype) -> bool:
     return True
 
 
-def _cpu_compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype CPU expert GEMMs run in: fp32 where the CPU lacks native bf16/fp16 matmul.
+def _compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype expert GEMMs run in: on a CPU without native bf16/fp16 matmul, fp32.
 
     Without it (e.g. AVX2-only x86), ATen's bf16 mm falls back to a slow loop: on a 2-core AVX2 EPYC
     15 GFLOP/s for x @ w.T (and ~0.3 for x @ w) against ~130 for fp32 copies through MKL; the result is the same fp32
     accumulation rounded once to the input dtype.
     """
-    return dtype if _cpu_has_native(dtype) else torch.float32
+    return dtype if device.type != "cpu" or _cpu_has_native(dtype) else torch.float32
 
 
-def _host_sizes(group_sizes_E: Tensor) -> list[int] | None:
-    """Group sizes as ints where reading them is free (CPU), else None (keep them on the device)."""
-    return group_sizes_E.tolist() if group_sizes_E.device.type == "cpu" else None
+def _one_call(dtype: torch.dtype, device: torch.device) -> bool:
+    """One torch._grouped_mm for all experts, or one mm per expert?
+
+    One call everywhere it has a kernel, except native bf16/fp16 on a CPU: there a
+    mm per expert into a slice of the output measured faster (~900 vs ~590 GFLOP/s
+    on 2 AMX cores). On an AVX2 CPU in fp32 the one call is faster at every shape
+    measured (`benchmarks/grouped_mm_cpu.py`), and it saves the host loop: ~90 us a
+    call at 8 experts. float64 (the tests' oracle dtype) has no grouped kernel; on a GPU
+    its loop reads the sizes on the host (a sync), which only the oracle pays.
+    """
+    if dtype == torch.float64:
+        return False
+    return device.type != "cpu" or dtype == torch.float32
 
 
-def _grouped_nt(a_NA: Tensor, b_EBA: Tensor, group_sizes_E: Tensor) -> Tensor:
-    """out_NB[rows of e] = a_NA[rows of e] @ b_EBA[e].T"""
-    N, B, out_dtype = a_NA.shape[0], b_EBA.shape[1], a_NA.dtype
-    sizes = _host_sizes(group_sizes_E)
-    if sizes is not None:
-        # CPU: one mm per expert straight into its slice of the output. Measured faster than
-        # torch._grouped_mm on CPU (bf16 ~900 vs ~590 GFLOP/s on 2 AMX cores: no concat, oneDNN per
-        # block), any dtype (float64 too), and a transposed b (the dgrad) is read in place.
-        dtype = _cpu_compute_dtype(a_NA.dtype)
-        a_NA, b_EBA = a_NA.to(dtype), b_EBA.to(dtype)
-        out_NB = a_NA.new_empty((N, B))
-        for e, (a_nA, out_nB) in enumerate(zip(a_NA.split(sizes), out_NB.split(sizes))):
-            if a_nA.shape[0]:
-                torch.mm(a_nA, b_EBA[e].t(), out=out_nB)
-        return out_NB.to(out_dtype)
+def nt_per_expert(a_NA: Tensor, b_EBA: Tensor, group_sizes_E: Tensor) -> Tensor:
+    """out_NB[rows of e] = a_NA[rows of e] @ b_EBA[e].T, one mm per expert (reads the sizes on the host)."""
+    out_NB = a_NA.new_empty((a_NA.shape[0], b_EBA.shape[1]))
+    sizes = group_sizes_E.tolist()
+    for e, (a_nA, out_nB) in enumerate(zip(a_NA.split(sizes), out_NB.split(sizes))):
+        if a_nA.shape[0]:
+            torch.mm(a_nA, b_EBA[e].t(), out=out_nB)
+    return out_NB
+
+
+def nt_one_call(a_NA: Tensor, b_EBA: Tensor, group_sizes_E: Tensor) -> Tensor:
+    """The same product as one torch._grouped_mm, feature dims zero-padded to its 16-byte alignment."""
+    N, B = a_NA.shape[0], b_EBA.shape[1]
     if N == 0:  # an empty tensor's strides can be anything; torch._grouped_mm rejects some
         return a_NA.new_empty((0, B))
     m = _align(a_NA.dtype)
     offs_E = torch.cumsum(group_sizes_E, 0, dtype=torch.int32)
     # out features padded too: a 1-wide output row is not 16-byte aligned
-    a_NA, b_EBA = _pad_to(a_NA, 1, m), _pad_to(_pad_to(b_EBA, 2, m), 1, m)
-    return torch._grouped_mm(a_NA, b_EBA.transpose(-2, -1), offs_E)[:, :B].contiguous()
+    a_NA = _matrix_layout(_pad_to(a_NA, 1, m), m)
+    b_EAB = _matrix_layout(_pad_to(_pad_to(b_EBA, 2, m), 1, m).transpose(-2, -1), m)
+    out_NB = torch._grouped_mm(a_NA, b_EAB, offs_E)
+    return out_NB if out_NB.shape[1] == B else out_NB[:, :B].contiguous()
+
+
+def tn_per_expert(a_NA: Tensor, b_NB: Tensor, group_sizes_E: Tensor) -> Tensor:
+    """out_EAB[e] = a_NA[rows of e].T @ b_NB[rows of e], one mm per expert; zero for empty groups."""
+    out_EAB = a_NA.new_empty((group_sizes_E.shape[0], a_NA.shape[1], b_NB.shape[1]))
+    sizes = group_sizes_E.tolist()
+    for e, (a_nA, b_nB) in enumerate(zip(a_NA.split(sizes), b_NB.split(sizes))):
+        if a_nA.shape[0]:
+            torch.mm(a_nA.t(), b_nB, out=out_EAB[e])
+        else:
+            out_EAB[e].zero_()
+    return out_EAB
+
+
+def tn_one_call(a_NA: Tensor, b_NB: Tensor, group_sizes_E: Tensor) -> Tensor:
+    """The same weight-gradient product as one torch._grouped_mm (zero for empty groups)."""
+    A, B = a_NA.shape[1], b_NB.shape[1]
+    m = _align(a_NA.dtype)
+    offs_E = torch.cumsum(group_sizes_E, 0, dtype=torch.int32)
+    a_AN = _matrix_layout(_pad_to(a_NA, 1, m).t(), m)
+    out_EAB = torch._grouped_mm(a_AN, _matrix_layout(_pad_to(b_NB, 1, m), m), offs_E)
+    return out_EAB if out_EAB.shape[1:] == (A, B) else out_EAB[:, :A, :B].contiguous()
+
+
+def _grouped_nt(a_NA: Tensor, b_EBA: Tensor, group_sizes_E: Tensor) -> Tensor:
+    dtype = _compute_dtype(a_NA.dtype, a_NA.device)
+    impl = nt_one_call if _one_call(dtype, a_NA.device) else nt_per_expert
+    return impl(a_NA.to(dtype), b_EBA.to(dtype), group_sizes_E).to(a_NA.dtype)
 
 
 def _grouped_tn(a_NA: Tensor, b_NB: Tensor, group_sizes_E: Tensor) -> Tensor:
-    """out_EAB[e] = a_NA[rows of e].T @ b_NB[rows of e]; zero for empty groups."""
-    A, B, E, out_dtype = a_NA.shape[1], b_NB.shape[1], group_sizes_E.shape[0], a_NA.dtype
-    sizes = _host_sizes(group_sizes_E)
-    if sizes is not None:
-        dtype = _cpu_compute_dtype(out_dtype)
-        a_NA, b_NB = a_NA.to(dtype), b_NB.to(dtype)
-        out_EAB = a_NA.new_empty((E, A, B))
-        for e, (a_nA, b_nB) in enumerate(zip(a_NA.split(sizes), b_NB.split(sizes))):
-            if a_nA.shape[0]:
-                torch.mm(a_nA.t(), b_nB, out=out_EAB[e])
-            else:
-                out_EAB[e].zero_()
-        return out_EAB.to(out_dtype)
-    m = _align(a_NA.dtype)
-    offs_E = torch.cumsum(group_sizes_E, 0, dtype=torch.int32)
-    a_NA, b_NB = _pad_to(a_NA, 1, m), _pad_to(b_NB, 1, m)
-    return torch._grouped_mm(a_NA.t(), b_NB, offs_E)[:, :A, :B].contiguous()
+    dtype = _compute_dtype(a_NA.dtype, a_NA.device)
+    impl = tn_one_call if _one_call(dtype, a_NA.device) else tn_per_expert
+    return impl(a_NA.to(dtype), b_NB.to(dtype), group_sizes_E).to(a_NA.dtype)
 
 
 def _segment_sum(v_NO: Tensor, group_sizes_E: Tensor) -> Tensor:

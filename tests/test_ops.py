@@ -173,32 +173,70 @@ def test_grouped_mm_matches_naive(case, T, E, k, H, with_bias, dtype):
 @pytest.mark.parametrize("native", [True, False])
 def test_bf16_grouped_mm_without_native_bf16_runs_in_fp32(monkeypatch, native):
     """Where the CPU has no bf16 matmul the expert GEMMs (fwd, dgrad, wgrad) run in fp32 on upcast
-    copies: bf16 out, and exactly the fp32 product of the bf16 inputs rounded once."""
+    copies, as one torch._grouped_mm each: bf16 out, and exactly the fp32 product of the bf16 inputs
+    rounded once. With native bf16 they stay bf16, one mm per non-empty expert."""
     import importlib
 
     gm_mod = importlib.import_module("moecompile.kernels.grouped_mm")  # the module, not the function
     monkeypatch.setattr(gm_mod, "_cpu_has_native", lambda dtype: native)
-    mm, mm_dtypes = torch.mm, []
+    calls: list[tuple[str, torch.dtype]] = []
+    for name in ("mm", "_grouped_mm"):
+        def spy(a, *args, _real=getattr(torch, name), _name=name, **kw):
+            calls.append((_name, a.dtype))
+            return _real(a, *args, **kw)
 
-    def spy(a, b, **kw):
-        mm_dtypes.append(a.dtype)
-        return mm(a, b, **kw)
-
-    monkeypatch.setattr(torch, "mm", spy)
+        monkeypatch.setattr(torch, name, spy)
     sizes = torch.tensor([3, 0, 5])
     x = torch.randn(8, 16).bfloat16().requires_grad_()
     w = torch.randn(3, 12, 16).bfloat16().requires_grad_()
     y = mk.grouped_mm(x, w, sizes)
     y.backward(torch.randn_like(y))
     assert y.dtype == x.grad.dtype == w.grad.dtype == torch.bfloat16
-    assert len(mm_dtypes) == 6  # 2 non-empty experts x (fwd, dgrad, wgrad)
-    assert set(mm_dtypes) == {torch.bfloat16 if native else torch.float32}
+    if native:
+        assert calls == [("mm", torch.bfloat16)] * 6  # 2 non-empty experts x (fwd, dgrad, wgrad)
+    else:
+        assert calls == [("_grouped_mm", torch.float32)] * 3  # fwd, dgrad, wgrad
     want = torch.cat([x[:3].float() @ w[0].float().T, x[3:].float() @ w[2].float().T]).bfloat16()
     if native:  # oneDNN/ATen bf16: the same fp32 accumulation, its own blocking
         torch.testing.assert_close(y, want, **TOL[torch.bfloat16])
     else:
         assert torch.equal(y, want)
     assert torch.equal(w.grad[1], torch.zeros(12, 16, dtype=torch.bfloat16))
+
+
+def test_grouped_mm_dgrad_reads_the_weights_in_place(monkeypatch):
+    """dx = dy @ w[e] passes w's own storage to torch._grouped_mm (a transposed view), no copy of it."""
+    seen: list[int] = []
+    real = torch._grouped_mm
+
+    def spy(a, b, *args, **kw):
+        seen.append(b.untyped_storage().data_ptr())
+        return real(a, b, *args, **kw)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    x = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(3, 4, 8, requires_grad=True)
+    mk.grouped_mm(x, w, torch.tensor([2, 0, 4])).backward(torch.randn(6, 4))
+    assert seen[:2] == [w.untyped_storage().data_ptr()] * 2  # forward, then dgrad
+
+
+@pytest.mark.parametrize("I,O", [(8, 4), (5, 7), (1, 1)], ids=["aligned", "unaligned", "one-wide"])
+def test_grouped_mm_fp32_grads_match_float64(I, O):
+    """The one-call fp32 path (padded to torch._grouped_mm's alignment) against the float64
+    per-expert loop: output, dx, dw and db, with an empty expert in the middle."""
+    sizes = torch.tensor([3, 0, 4, 1])
+    x64 = torch.randn(8, I, dtype=F64, requires_grad=True)
+    w64 = torch.randn(4, O, I, dtype=F64, requires_grad=True)
+    b64 = torch.randn(4, O, dtype=F64, requires_grad=True)
+    x, w, b = (t.detach().float().requires_grad_() for t in (x64, w64, b64))
+    dy = torch.randn(8, O, dtype=F64)
+    for args, grad in (((x64, w64, b64), dy), ((x, w, b), dy.float())):
+        y = mk.grouped_mm(args[0], args[1], sizes, args[2])
+        y.backward(grad)
+    torch.testing.assert_close(mk.grouped_mm(x, w, sizes, b).double(), mk.grouped_mm(x64, w64, sizes, b64),
+                               rtol=1e-5, atol=1e-5)
+    for got, want in ((x.grad, x64.grad), (w.grad, w64.grad), (b.grad, b64.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_mm_empty_groups_get_zero_grads():
