@@ -11,7 +11,7 @@ asks `implementation("<op>", device)` and calls what it gets, so call sites
 never test what is installed.
 
 Why not one `register_kernel(op, "cuda", ...)` per op: the ops stay single
-`torch.library.custom_op`s whose body consults this table on every device, so
+operators (`library.op`) whose body consults this table on every device, so
 (1) forcing a backend works on CUDA and CPU alike, (2) export graphs keep one
 `moecompile.<op>` node per MoE op (the passes' contract), and (3) tracing
 (FakeTensorProp, export, torch.compile) uses the ops' fake impls and never

@@ -15,6 +15,8 @@ No host sync: every index is computed on the device from counts_AB.
 import torch
 from torch import Tensor
 
+from . import library
+
 
 def _check(x_NH: Tensor, counts_AB: Tensor) -> None:
     if x_NH.dim() < 1 or counts_AB.dim() != 2:
@@ -58,7 +60,7 @@ def sort_chunks_ref(x_NH: Tensor, counts_AB: Tensor) -> Tensor:
     return x_NH[sort_chunks_index(counts_AB, x_NH.shape[0])]
 
 
-@torch.library.custom_op("moecompile::sort_chunks", mutates_args=())
+@library.op("moecompile::sort_chunks")
 def _sort_chunks_op(x_NH: Tensor, counts_AB: Tensor) -> Tensor:
     return sort_chunks_ref(x_NH, counts_AB)
 

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import library
 from .fp8_quantize import AMAX_EPS, FORMATS, dequantize_fp8, fp8_max, quantize_fp8
 from .grouped_mm import _segment_sum
 
@@ -155,7 +156,7 @@ def fp8_linear_ref(x, w_NK, bias_N, amax_history, recipe, fmt, block):
     return y, x_q, x_s, torch.stack([amax_x, amax_w])
 
 
-@torch.library.custom_op("moecompile::fp8_linear", mutates_args=())
+@library.op("moecompile::fp8_linear")
 def _fp8_linear_op(
     x: Tensor, w: Tensor, bias: Optional[Tensor], amax_history: Optional[Tensor], recipe: str, fmt: str, block: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -239,7 +240,7 @@ def fp8_grouped_linear_ref(x_NI, w_EOI, group_sizes_E, bias_EO, amax_history, re
     return y, x_q, x_s, torch.stack([amax_x, amax_w])
 
 
-@torch.library.custom_op("moecompile::fp8_grouped_linear", mutates_args=())
+@library.op("moecompile::fp8_grouped_linear")
 def _fp8_grouped_op(
     x_NI: Tensor, w_EOI: Tensor, group_sizes_E: Tensor, bias_EO: Optional[Tensor], amax_history: Optional[Tensor],
     recipe: str, fmt: str, block: int,
@@ -304,6 +305,7 @@ def fp8_grouped_linear(x_NI, w_EOI, group_sizes_E, bias_EO=None, amax_history=No
 # ---------------------------------------------------------------- delayed-scaling state
 
 
+# custom_op, not library.op: it mutates `history`, and custom_op writes the functionalization.
 @torch.library.custom_op("moecompile::fp8_update_amax_history", mutates_args=("history",))
 def update_amax_history(history: Tensor, amax_3: Tensor) -> None:
     """Roll history [3, L] one step and write this step's (x, w, grad) amaxes first."""

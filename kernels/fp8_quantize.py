@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import backend
+from . import backend, library
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 RECIPES = ("tensorwise", "rowwise", "tile", "block")
@@ -129,7 +129,7 @@ def dequantize_fp8(q: Tensor, scale: Tensor, recipe: str, block: int) -> Tensor:
     return q.float() * expand_scale(scale, tuple(q.shape), recipe, block)
 
 
-@torch.library.custom_op("moecompile::quantize_fp8", mutates_args=())
+@library.op("moecompile::quantize_fp8")
 def _quantize_fp8_op(x: Tensor, recipe: str, fmt: str, block: int) -> tuple[Tensor, Tensor]:
     return backend.implementation("quantize_fp8", x.device)(x, recipe, fmt, block)
 

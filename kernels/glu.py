@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import backend
+from . import backend, library
 
 ACTS = ("silu", "gelu", "gelu_tanh", "relu")
 
@@ -63,7 +63,7 @@ def glu_ref(h_NF2: Tensor, act: str, weight_N: Optional[Tensor] = None) -> Tenso
     return out_NF if weight_N is None else out_NF * weight_N.to(out_NF.dtype).unsqueeze(-1)
 
 
-@torch.library.custom_op("moecompile::glu", mutates_args=())
+@library.op("moecompile::glu")
 def _glu_op(h_NF2: Tensor, act: str, weight_N: Optional[Tensor] = None) -> Tensor:
     return backend.implementation("glu", h_NF2.device)(h_NF2, act, weight_N)
 
@@ -105,7 +105,7 @@ def glu_backward_ref(
     return grad_h, grad_w_N.to(weight_N.dtype)
 
 
-@torch.library.custom_op("moecompile::glu_backward", mutates_args=())
+@library.op("moecompile::glu_backward")
 def _glu_backward_op(
     grad_NF: Tensor, h_NF2: Tensor, act: str, weight_N: Optional[Tensor]
 ) -> tuple[Tensor, Tensor]:

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backend
+from . import backend, library
 
 def _check(x_NI: Tensor, w_EOI: Tensor, group_sizes_E: Tensor, bias_EO: Optional[Tensor]) -> None:
     if x_NI.dim() != 2 or w_EOI.dim() != 3 or group_sizes_E.dim() != 1:
@@ -55,6 +55,7 @@ def _pad_to(t: Tensor, dim: int, multiple: int) -> Tensor:
     return torch.nn.functional.pad(t, pad)
 
 
+@functools.cache
 def _align(dtype: torch.dtype) -> int:
     # torch._grouped_mm wants every non-unit stride a multiple of 16 bytes; zero
     # padding of the feature dims satisfies that and leaves the products exact.
@@ -171,10 +172,9 @@ def _segment_sum(v_NO: Tensor, group_sizes_E: Tensor) -> Tensor:
 
 def _check_sizes(group_sizes_E: Tensor, N: int) -> None:
     if group_sizes_E.device.type == "cpu":  # free to check here; on a GPU it would sync
-        if int(group_sizes_E.sum()) != N or bool((group_sizes_E < 0).any()):
-            raise ValueError(
-                f"grouped_mm: group_sizes_E must be >= 0 and sum to N={N}, got {group_sizes_E.tolist()}"
-            )
+        sizes = group_sizes_E.tolist()  # one read of E ints, cheaper than two reductions
+        if sum(sizes) != N or min(sizes, default=0) < 0:
+            raise ValueError(f"grouped_mm: group_sizes_E must be >= 0 and sum to N={N}, got {sizes}")
 
 
 def grouped_mm_ref(
@@ -190,7 +190,7 @@ def grouped_mm_ref(
     return y_NO
 
 
-@torch.library.custom_op("moecompile::grouped_mm", mutates_args=())
+@library.op("moecompile::grouped_mm")
 def _grouped_mm_op(
     x_NI: Tensor, w_EOI: Tensor, group_sizes_E: Tensor, bias_EO: Optional[Tensor]
 ) -> Tensor:
@@ -203,7 +203,7 @@ def _grouped_mm_fake(x_NI, w_EOI, group_sizes_E, bias_EO):
     return x_NI.new_empty((x_NI.shape[0], w_EOI.shape[1]))
 
 
-@torch.library.custom_op("moecompile::grouped_mm_wgrad", mutates_args=())
+@library.op("moecompile::grouped_mm_wgrad")
 def _grouped_mm_wgrad_op(grad_y_NO: Tensor, x_NI: Tensor, group_sizes_E: Tensor) -> Tensor:
     """dw_EOI[e] = grad_y_NO[rows of e].T @ x_NI[rows of e] (zero for empty groups).
 

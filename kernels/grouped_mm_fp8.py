@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backend
+from . import backend, library
 from .fp8_quantize import FORMATS, check_recipe, dequantize_fp8, scale_shape
 from .grouped_mm import _expert_of_row, grouped_mm_ref
 
@@ -84,7 +84,7 @@ def grouped_mm_fp8_ref(
     return y_NO.to(out_dtype)
 
 
-@torch.library.custom_op("moecompile::grouped_mm_fp8", mutates_args=())
+@library.op("moecompile::grouped_mm_fp8")
 def _grouped_mm_fp8_op(
     x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes_E: Tensor,
     recipe: str, block: int, bias_EO: Optional[Tensor], out_dtype: torch.dtype,

@@ -24,7 +24,7 @@ with capacity, C rounds up to a multiple of a (the extra slots keep tokens).
 import torch
 from torch import Tensor
 
-from . import backend
+from . import backend, library
 
 DROP_POLICIES = ("position", "probs")
 
@@ -66,7 +66,7 @@ def _check(x_TH, idx_TK, weights_TK, num_experts, capacity, drop_policy, align=1
 def _check_idx_values(idx_TK: Tensor, num_experts: int) -> None:
     # Reading values syncs the host; only worth it where that is free (CPU).
     if idx_TK.device.type == "cpu" and idx_TK.numel():
-        lo, hi = int(idx_TK.min()), int(idx_TK.max())
+        lo, hi = (int(v) for v in torch.aminmax(idx_TK))
         if lo < 0 or hi >= num_experts:
             raise ValueError(
                 f"permute: idx_TK values must lie in [0, {num_experts}), got min {lo}, max {hi}"
@@ -130,7 +130,7 @@ def permute_ref(
     return x_NH, row_src_N, torch.full_like(load_E, C), load_E
 
 
-@torch.library.custom_op("moecompile::permute", mutates_args=())
+@library.op("moecompile::permute")
 def _permute_op(
     x_TH: Tensor, idx_TK: Tensor, weights_TK: Tensor, num_experts: int, capacity: int, drop_policy: str,
     align: int = 1,
@@ -165,7 +165,7 @@ def permute_backward(grad_x_NH: Tensor, row_src_N: Tensor, num_tokens: int, K: i
     return grad_x_TH.index_add_(0, dest_N, grad_x_NH)[:num_tokens]
 
 
-@torch.library.custom_op("moecompile::permute_backward", mutates_args=())
+@library.op("moecompile::permute_backward")
 def _permute_backward_op(grad_x_NH: Tensor, row_src_N: Tensor, num_tokens: int, K: int) -> Tensor:
     impl = backend.implementation("permute_backward", grad_x_NH.device)
     return impl(grad_x_NH, row_src_N, num_tokens, K)

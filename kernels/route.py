@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import backend
+from . import backend, library
 
 SCORES = ("softmax", "sigmoid")
 # Only sigmoid scores can all be ~0 in a row; softmax rows always sum > 0.
@@ -59,7 +59,7 @@ def route_ref(
     return weights_TK, idx_TK
 
 
-@torch.library.custom_op("moecompile::route", mutates_args=())
+@library.op("moecompile::route")
 def _route_op(
     logits_TE: Tensor, bias_E: Optional[Tensor], k: int, score: str, normalize: bool
 ) -> tuple[Tensor, Tensor]:
@@ -100,7 +100,7 @@ def route_backward_ref(
     return g_TE.to(logits_TE.dtype)
 
 
-@torch.library.custom_op("moecompile::route_backward", mutates_args=())
+@library.op("moecompile::route_backward")
 def _route_backward_op(
     grad_weights_TK: Tensor, logits_TE: Tensor, weights_TK: Tensor, idx_TK: Tensor, score: str, normalize: bool
 ) -> Tensor:

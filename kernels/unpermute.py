@@ -12,7 +12,7 @@ nothing, and a token with no surviving rows comes out as zeros.
 import torch
 from torch import Tensor
 
-from . import backend
+from . import backend, library
 
 
 def _check(y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, num_tokens: int) -> None:
@@ -42,7 +42,7 @@ def unpermute_ref(y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, num_token
     """Pure-torch combine: the CPU implementation and the test oracle."""
     _check(y_NH, row_src_N, weights_TK, num_tokens)
     if row_src_N.device.type == "cpu" and row_src_N.numel():  # free check on CPU only
-        lo, hi, A = int(row_src_N.min()), int(row_src_N.max()), weights_TK.numel()
+        (lo, hi), A = (int(v) for v in torch.aminmax(row_src_N)), weights_TK.numel()
         if lo < -1 or hi >= A:
             raise ValueError(
                 f"unpermute: row_src_N values must lie in [-1, {A}), got min {lo}, max {hi}"
@@ -52,7 +52,7 @@ def unpermute_ref(y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, num_token
     return out_TH.index_add_(0, tok_N, y_NH * w_N.unsqueeze(1))
 
 
-@torch.library.custom_op("moecompile::unpermute", mutates_args=())
+@library.op("moecompile::unpermute")
 def _unpermute_op(y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, num_tokens: int) -> Tensor:
     impl = backend.implementation("unpermute", y_NH.device)
     return impl(y_NH, row_src_N, weights_TK, num_tokens)
@@ -87,7 +87,7 @@ def unpermute_backward(
     return grad_y_NH, grad_w_A.reshape(weights_TK.shape).to(weights_TK.dtype)
 
 
-@torch.library.custom_op("moecompile::unpermute_backward", mutates_args=())
+@library.op("moecompile::unpermute_backward")
 def _unpermute_backward_op(
     grad_TH: Tensor, y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor
 ) -> tuple[Tensor, Tensor]:
