@@ -77,8 +77,8 @@ def unpermute_backward(
     grad_rows_NH = grad_TH[tok_N]
     acc = torch.promote_types(weights_TK.dtype, torch.float32)
     if y_NH.dtype == acc and grad_rows_NH.dtype == acc:
-        # one fused multiply-sum, no [N, H] temporary (on a CPU, touching a fresh one costs more than the math)
-        dot_N = torch.einsum("nh,nh->n", grad_rows_NH, y_NH)
+        # one op: 8 vs 26 us for einsum's Python parsing at [256, 32], 2.8 vs 3.2 ms at [8192, 512] (AVX2 box)
+        dot_N = torch.linalg.vecdot(grad_rows_NH, y_NH)
     else:  # products in the activations' dtype, summed in float32 (no float32 copies of both operands)
         dot_N = (grad_rows_NH * y_NH).sum(-1, dtype=acc)
     dot_N = dot_N.masked_fill(row_src_N < 0, 0)
