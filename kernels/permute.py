@@ -96,7 +96,7 @@ def _dropless_padded(x_TH, idx_A, order_N, load_E, K, align):
     rank_S = torch.arange(A, device=idx_A.device) - (torch.cumsum(load_E, 0) - load_E)[expert_S]
     dest_S = (torch.cumsum(sizes_E, 0) - sizes_E)[expert_S] + rank_S
     row_src_N = torch.full((N,), -1, dtype=torch.int64, device=idx_A.device).scatter_(0, dest_S, order_N)
-    x_NH = x_TH[row_src_N.clamp(min=0) // K].masked_fill((row_src_N < 0).unsqueeze(1), 0)
+    x_NH = x_TH.index_select(0, row_src_N.clamp(min=0) // K).masked_fill((row_src_N < 0).unsqueeze(1), 0)
     return x_NH, row_src_N, sizes_E, load_E
 
 
@@ -116,7 +116,8 @@ def permute_ref(
     if C == 0 and align > 1:
         return _dropless_padded(x_TH, idx_A, order_N, load_E, K, align)
     if C == 0:
-        return x_TH[order_N // K], order_N, load_E.clone(), load_E
+        # index_select, not x_TH[...]: the row gather measured 32 vs 43 ms at [32768, 1024], 5 vs 9 us tiny
+        return x_TH.index_select(0, order_N // K), order_N, load_E.clone(), load_E
     kept_A = _kept_assignments(idx_A, weights_TK.reshape(-1), load_E, C, drop_policy)
     # Slot of each kept assignment inside its expert's block, in ascending-a order.
     kept_S, expert_S = kept_A[order_N], idx_A[order_N]
@@ -126,7 +127,7 @@ def permute_ref(
     row_src = torch.full((E * C + 1,), -1, dtype=torch.int64, device=idx_A.device)
     row_src_N = row_src.scatter_(0, dest_S, order_N)[: E * C].clone()
     pad_N1 = (row_src_N < 0).unsqueeze(1)
-    x_NH = x_TH[row_src_N.clamp(min=0) // K].masked_fill(pad_N1, 0)
+    x_NH = x_TH.index_select(0, row_src_N.clamp(min=0) // K).masked_fill(pad_N1, 0)
     return x_NH, row_src_N, torch.full_like(load_E, C), load_E
 
 
