@@ -77,8 +77,8 @@ def unpermute_backward(
     grad_rows_NH = grad_TH.index_select(0, tok_N)
     acc = torch.promote_types(weights_TK.dtype, torch.float32)
     if y_NH.dtype == acc and grad_rows_NH.dtype == acc:
-        # a batched [1, H] @ [H, 1]: no [N, H] temporary, one op (AVX2 box: 22 ms at [32768, 1024]
-        # against 37 for linalg.vecdot, which multiplies then sums; 12 us tiny against einsum's 24)
+        # a batched [1, H] @ [H, 1]: no [N, H] temporary, one op (benchmarks/row_ops_cpu.py: 25 ms at the
+        # fine shape against 36 for linalg.vecdot, which multiplies then sums; 14 us tiny against einsum's 24)
         dot_N = torch.bmm(grad_rows_NH.unsqueeze(1), y_NH.unsqueeze(2)).view(-1)
     else:  # products in the activations' dtype, summed in float32 (no float32 copies of both operands)
         dot_N = (grad_rows_NH * y_NH).sum(-1, dtype=acc)
