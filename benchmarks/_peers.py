@@ -43,7 +43,7 @@ def make_weights(H: int, F_: int, E: int, T: int, seed: int = 0) -> Weights:
 Built = tuple[Callable[[torch.Tensor], torch.Tensor], list[torch.nn.Parameter]]
 
 
-def _moecompile(w: Weights, k: int, dtype: torch.dtype) -> Built:
+def _moecompile(w: Weights, k: int, dtype: torch.dtype, apply_weights: str = "auto") -> Built:
     import moecompile as mc
 
     E, F2, H = w.w_gate_up.shape
@@ -67,7 +67,7 @@ def _moecompile(w: Weights, k: int, dtype: torch.dtype) -> Built:
             return self.mlp(x)
 
     dense = Block().to(dtype)
-    plan = mc.Plan.from_dict({"experts": {"num_experts": E, "top_k": k, "aux_loss": "none"}})
+    plan = mc.Plan.from_dict({"experts": {"num_experts": E, "top_k": k, "aux_loss": "none", "apply_weights": apply_weights}})
     # [1, T, H] like a model's hidden states
     result = mc.convert(dense, plan, (w.x.to(dtype)[None],))
     params = dict(result.module.named_parameters())
@@ -149,7 +149,8 @@ def _deepspeed(w: Weights, k: int, dtype: torch.dtype) -> Built:
 
 
 BUILDERS: dict[str, Callable[[Weights, int, torch.dtype], Built]] = {
-    "moecompile": _moecompile,
+    "moecompile": _moecompile,  # routing weights in the GLU (apply_weights auto)
+    "moecompile_combine_weights": lambda w, k, d: _moecompile(w, k, d, "combine"),  # ... in the combine
     "hf_mixtral_eager": lambda w, k, d: _mixtral(w, k, d, "eager"),
     "hf_mixtral_grouped_mm": lambda w, k, d: _mixtral(w, k, d, "grouped_mm"),
     "hf_qwen3_grouped_mm": lambda w, k, d: _qwen3(w, k, d, "grouped_mm"),

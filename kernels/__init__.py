@@ -8,7 +8,7 @@ and the other backward passes as ops of their own (route_backward,
 permute_backward, unpermute_backward, glu_backward), so a traced backward
 holds one node per kernel. Options: `permute(..., align=a)` pads each expert's
 group to a multiple of a rows; `glu(h, act, weight_N)` multiplies each row's
-routing weight in (then combine with unpermute(..., ones)).
+routing weight in (then combine with unpermute(..., weighted=False)).
 
 FP8 (forward-only building blocks for the FP8 pass; recipes and scale layouts
 in kernels/fp8_quantize.py and kernels/grouped_mm_fp8.py):
@@ -35,7 +35,7 @@ if __name__ == "moecompile.kernels":
     from .grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_ref
     from .permute import permute, permute_ref
     from .route import route, route_ref
-    from .unpermute import unpermute, unpermute_ref
+    from .unpermute import row_weights, unpermute, unpermute_ref
 else:
     # Run from the repository root (python -m pytest puts it on sys.path), this folder shadows any
     # top-level package named `kernels`: transformers probes for Hugging Face's `kernels` and would
@@ -77,6 +77,7 @@ __all__ = [
     "route_ref",
     "sort_chunks",
     "sort_chunks_ref",
+    "row_weights",
     "unpermute",
     "unpermute_ref",
 ]

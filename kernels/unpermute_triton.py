@@ -4,6 +4,7 @@ Legend: N permuted rows, H hidden, T tokens, K top-k, A = T*K assignments.
 
     dest_A[a]          = the row assignment a landed in (-1: dropped)     inverts row_src_N
     out_TH[t]          = sum_j w[t, j] * y_NH[dest_A[t*K + j]]              one program per token tile
+                                                                          (weighted=False: no w)
     grad_y_NH[r]       = w[row_src[r]] * grad_TH[row_src[r] // K]         row gather
     grad_weights_TK[a] = <grad_TH[a // K], y_NH[dest_A[a]]>               row dots, float32
 
@@ -40,20 +41,25 @@ def _rowdot_kernel(
     tl.store(out_ptr + a, acc.to(out_ptr.dtype.element_ty), mask=a < A)
 
 
-def unpermute_triton(y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, num_tokens: int) -> Tensor:
+def unpermute_triton(
+    y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, num_tokens: int, weighted: bool = True
+) -> Tensor:
     _check(y_NH, row_src_N, weights_TK, num_tokens)
     K = weights_TK.shape[1]
     dest_A = invert_rows(row_src_N.contiguous(), weights_TK.numel())
-    return combine_rows(y_NH, dest_A, weights_TK.reshape(-1).contiguous(), num_tokens, K, y_NH.dtype)
+    coef_A = weights_TK.reshape(-1).contiguous() if weighted else None
+    return combine_rows(y_NH, dest_A, coef_A, num_tokens, K, y_NH.dtype)
 
 
 def unpermute_backward_triton(
-    grad_TH: Tensor, y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor
+    grad_TH: Tensor, y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, weighted: bool = True
 ) -> tuple[Tensor, Tensor]:
     T, K = weights_TK.shape
     row_src_N = row_src_N.contiguous()
-    w_A = weights_TK.reshape(-1).contiguous()
+    w_A = weights_TK.reshape(-1).contiguous() if weighted else None
     grad_y_NH = gather_rows(grad_TH, row_src_N, K, w_A, torch.promote_types(grad_TH.dtype, y_NH.dtype))
+    if not weighted:
+        return grad_y_NH, torch.zeros_like(weights_TK)
     dest_A = invert_rows(row_src_N, T * K)
     grad_w_A = torch.empty(T * K, dtype=weights_TK.dtype, device=weights_TK.device)
     A, H = T * K, y_NH.shape[1]

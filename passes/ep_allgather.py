@@ -3,7 +3,8 @@
     x_GH, idx_GK, w_GK = all_gather(x_TH, idx_TK, w_TK)            G = P*T, source s = row // T
     bucket = my local expert (dropless) or (source, local expert) (static), else "elsewhere"
     x_RH, row_src_R, sizes, _ = moecompile.permute(x_GH, bucket, w_GK, buckets + 1, C, policy)
-    partial_GH = moecompile.unpermute(experts(my rows), row_src, w_GK, G)
+    partial_GH = moecompile.unpermute(experts(my rows), row_src, w_GK, G)    (or, when the glu applies
+                                                        the weights: experts(my rows, row_weights(row_src, w_GK)))
     y_TH = reduce_scatter(partial_GH)                                 # sum of every rank's experts
 
 No count exchange; bytes ~ 2 (P-1) T H per rank (independent of k). Static buckets are per source
@@ -23,7 +24,7 @@ import torch.fx as fx
 from moecompile.distributed import ALL_GATHER, REDUCE_SCATTER, World
 from moecompile.meta import Role
 
-from .ep_alltoall import _swap_blocks
+from .ep_alltoall import _swap_blocks, _swap_rows
 from .expert_parallel import Emit, replace_load, rewire_experts
 
 aten, mc = torch.ops.aten, torch.ops.moecompile
@@ -70,14 +71,30 @@ def rewrite(gm: fx.GraphModule, em: Emit, world: World, capacity: int | None) ->
             x_in = _swap_blocks(em, D, em(D, aten.narrow.default, x_RH, 0, 0, n_mine), P, L, capacity, x_TH.meta["val"].shape[1])
             sizes_L = em(D, aten.new_full.default, sizes_B, [L], P * capacity)
         row_src_mine = em(D, aten.narrow.default, row_src_R, 0, 0, n_mine)
-    rewire_experts(block, x_in, sizes_L)
+        w_in, w_old = None, block.row_weights
+        if w_old is not None:  # the glu applies them: my rows' weights, from the gathered ones
+            w_in = em.row_weights(D, row_src_mine, w_GK, anchor=block.experts[0])
+            if capacity is not None:
+                w_in = _swap_rows(em, D, w_in, P, L, capacity)
+    rewire_experts(block, x_in, sizes_L, w_in)
 
     y_out = block.expert_out
     with em.at(block.unpermute):
         y_mine = y_out if capacity is None else _swap_blocks(em, CC, y_out, L, P, capacity, y_out.meta["val"].shape[1])
-        partial_GH = em(CC, mc.unpermute.default, y_mine, row_src_mine, w_GK, G)
+        partial_GH = em(CC, mc.unpermute.default, y_mine, row_src_mine, w_GK, G, w_in is None)
         y_TH = em.collective(REDUCE_SCATTER, partial_GH, "sum", P, what="combine")
     block.unpermute.replace_all_uses_with(y_TH)
-    for n in [block.unpermute, *sorted(block.outs.values(), key=lambda n: -n.args[1]), block.permute]:
-        if not n.users:
-            gm.graph.erase_node(n)
+    # the local permute and what read it (the combine; the local rows' weights) are replaced
+    for n in [block.unpermute, *([w_old] if w_old is not None else []),
+              *sorted(block.outs.values(), key=lambda n: -n.args[1]), block.permute]:
+        _erase_if_unused(gm, n)
+
+
+def _erase_if_unused(gm: fx.GraphModule, node: fx.Node) -> None:
+    """Erase ``node`` if nothing reads it, then whatever of its inputs that leaves unread."""
+    if getattr(node, "_erased", False) or node.users or node.op != "call_function":
+        return
+    inputs = node.all_input_nodes
+    gm.graph.erase_node(node)
+    for n in inputs:
+        _erase_if_unused(gm, n)

@@ -4,7 +4,8 @@ Rows leave the local permute sorted by global expert, so they are already groupe
 destination rank (expert e lives on rank e // L). They arrive source-major, blocks
 (source s, local expert e); ``sort_chunks`` makes them expert-major for the GEMMs and its
 transpose undoes that before the return trip. The combine (``unpermute``) stays on the
-source rank, where the tokens' routing weights are.
+source rank. Where the experts' glu applies the routing weights (``experts.apply_weights``),
+each row's weight travels with it: one more all-to-all of N floats with the same splits.
 
     dropless   splits from a count exchange (one host sync); the last send split is written
                N - (the others), so the returning buffer provably has the permute's N rows
@@ -34,11 +35,18 @@ def _swap_blocks(em: Emit, role: Role, x: fx.Node, a: int, b: int, rows: int, wi
     return em(role, aten.reshape.default, em(role, aten.transpose.int, grid, 0, 1), [-1, width])
 
 
+def _swap_rows(em: Emit, role: Role, w: fx.Node, a: int, b: int, rows: int) -> fx.Node:
+    """``_swap_blocks`` of a 1-d per-row tensor (the routing weights)."""
+    w_N1 = em(role, aten.view.default, w, [-1, 1])
+    return em(role, aten.view.default, _swap_blocks(em, role, w_N1, a, b, rows, 1), [-1])
+
+
 def rewrite(gm: fx.GraphModule, em: Emit, world: World, capacity: int | None) -> None:
     block = em.block
     P = world.ep
     L = block.info["num_experts"] // P
-    x_NH, sizes_E = block.outs[0], block.outs[2]
+    x_NH, sizes_E, w_N = block.outs[0], block.outs[2], block.row_weights
+    w_in = None
 
     with em.at(block.experts[0]):
         if capacity is None:
@@ -55,13 +63,19 @@ def rewrite(gm: fx.GraphModule, em: Emit, world: World, capacity: int | None) ->
             send, recv = [*splits[: P - 1], last], splits[P - 1:]
             x_MH = em.collective(ALL_TO_ALL, x_NH, recv, send, what="dispatch")
             x_in = em(D, mc.sort_chunks.default, x_MH, counts_PL)
+            if w_N is not None:
+                w_M = em.collective(ALL_TO_ALL, w_N, recv, send, what="dispatch routing weights")
+                w_in = em(D, mc.sort_chunks.default, w_M, counts_PL)
             sizes_L = em(D, aten.sum.dim_IntList, counts_PL, [0])
         else:
             send = recv = [L * capacity] * P
             x_MH = em.collective(ALL_TO_ALL, x_NH, recv, send, what="dispatch")
             x_in = _swap_blocks(em, D, x_MH, P, L, capacity, x_NH.meta["val"].shape[1])
+            if w_N is not None:
+                w_M = em.collective(ALL_TO_ALL, w_N, recv, send, what="dispatch routing weights")
+                w_in = _swap_rows(em, D, w_M, P, L, capacity)
             sizes_L = em(D, aten.new_full.default, sizes_E, [L], P * capacity)
-    rewire_experts(block, x_in, sizes_L)
+    rewire_experts(block, x_in, sizes_L, w_in)
 
     y_MH = block.expert_out
     with em.at(block.unpermute):

@@ -44,6 +44,8 @@ import moecompile.kernels  # noqa: F401  (registers torch.ops.moecompile.*)
 from moecompile import distributed
 from moecompile.distributed import ExpertShard, World
 from moecompile.errors import DistributedError
+from moecompile.graph import inline, trace_block
+from moecompile.kernels import row_weights
 from moecompile.meta import MoEInfo, Role, moe
 from moecompile.outputs import add_side_outputs
 from moecompile.pass_manager import PassContext, register_pass, register_verifier
@@ -67,6 +69,19 @@ class Block:
     def expert_out(self) -> fx.Node:
         return self.unpermute.args[0]  # type: ignore[return-value]
 
+    @property
+    def row_weights(self) -> fx.Node | None:
+        """Each permuted row's routing weight, where the experts' glu multiplies it in (else None)."""
+        return row_weights_of(self.experts)
+
+
+def row_weights_of(experts: list[fx.Node]) -> fx.Node | None:
+    """The per-row routing weights the expert section's glu reads (apply_weights: activation), or None."""
+    for n in experts:
+        if n.target is mc.glu.default and len(n.args) > 2 and isinstance(n.args[2], fx.Node):
+            return n.args[2]
+    return None
+
 
 class Emit:
     """Builds nodes before ``anchor``, stamped with the layer, a role and the permute's provenance."""
@@ -78,10 +93,13 @@ class Emit:
         return self.graph.inserting_before(anchor)
 
     def __call__(self, role: Role, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
-        node = self.graph.call_function(target, args, kwargs)
+        return self._stamp(self.graph.call_function(target, args, kwargs), role)
+
+    def _stamp(self, node: fx.Node, role: Role) -> fx.Node:
         for key in ("nn_module_stack", "stack_trace"):
             if key in self.block.permute.meta:
                 node.meta[key] = self.block.permute.meta[key]
+        node.meta.pop("custom", None)
         node.meta["moe"] = {"layer": self.block.layer, "role": role}
         return node
 
@@ -92,6 +110,15 @@ class Emit:
         w = self(Role.COLLECTIVE_WAIT, mc.wait_tensor.default, s, label, self.group)
         s.meta["moe"]["group"] = w.meta["moe"]["group"] = self.group
         return w
+
+    def row_weights(self, role: Role, row_src: fx.Node, weights_TK: fx.Node, anchor: fx.Node) -> fx.Node:
+        """``kernels.row_weights(row_src, weights_TK)`` traced to ATen and inlined before ``anchor``, stamped."""
+        examples = {"row_src_N": torch.zeros(6, dtype=torch.int64), "weights_TK": torch.zeros(5, 3)}
+        existing = set(self.graph.nodes)
+        out = inline(self.graph, trace_block(row_weights, examples), [row_src, weights_TK], anchor)
+        for n in [n for n in self.graph.nodes if n not in existing]:
+            self._stamp(n, role)
+        return out
 
     def host_ints(self, role: Role, t: fx.Node, indices: list[int]) -> list[fx.Node]:
         """Values ``t[i]`` of a 1-d int tensor as SymInt nodes: one device-to-host copy for all of them."""
@@ -127,16 +154,21 @@ def find_blocks(gm: fx.GraphModule) -> list[Block]:
     return blocks
 
 
-def rewire_experts(block: Block, x_in: fx.Node, sizes: fx.Node) -> None:
-    """Point the expert section at the rows that arrived and the local experts' group sizes."""
+def rewire_experts(block: Block, x_in: fx.Node, sizes: fx.Node, w_in: fx.Node | None = None) -> None:
+    """Point the expert section at the rows that arrived, the local experts' group sizes and (when the
+    glu applies them) the arrived rows' routing weights."""
     section = set(block.experts)
-    allowed = {block.outs.get(0), block.outs.get(2)}
+    w_old = block.row_weights
+    allowed = {block.outs.get(0), block.outs.get(2), w_old}
     for n in block.experts:
         for arg in n.all_input_nodes:
             if arg not in section and arg not in allowed and arg.op != "get_attr":
                 raise ValueError(f"the expert section reads {arg.name} (at {n.format_node()}), which expert "
                                  "parallelism doesn't know how to move to the experts' ranks")
-    for old, new in ((block.outs.get(0), x_in), (block.outs.get(2), sizes)):
+    if (w_old is None) != (w_in is None):
+        raise ValueError(f"{block.layer}: " + ("the experts' glu reads routing weights the dispatcher did not move"
+                                               if w_in is None else "routing weights were moved but no glu reads them"))
+    for old, new in ((block.outs.get(0), x_in), (block.outs.get(2), sizes), (w_old, w_in)):
         for n in block.experts:
             if old is not None and old in n.all_input_nodes:
                 n.replace_input_with(old, new)

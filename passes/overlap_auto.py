@@ -27,6 +27,7 @@ import torch.fx as fx
 from moecompile.distributed import World
 from moecompile.graph import get_attr_value
 
+from .expert_parallel import row_weights_of
 from .overlap_chunks import MoELayer
 
 MAX_AUTO_CHUNKS = 8
@@ -105,8 +106,13 @@ def _time_experts(gm: fx.GraphModule, layer: MoELayer, rows: int, local_experts:
     per, extra = divmod(rows, local_experts)
     sizes = torch.tensor([per + (i < extra) for i in range(local_experts)], dtype=torch.int64)
 
+    env0: dict[fx.Node, Any] = {x_in: x, sizes_in: sizes, **weights}  # type: ignore[dict-item]
+    row_weights = row_weights_of(section)
+    if row_weights is not None:  # the glu applies the routing weights: any row weights time the same
+        env0[row_weights] = torch.rand(rows, dtype=row_weights.meta["val"].dtype)
+
     def run() -> None:
-        env: dict[fx.Node, Any] = {x_in: x, sizes_in: sizes, **weights}  # type: ignore[dict-item]
+        env = dict(env0)
         for m in section:
             env[m] = m.target(*fx.node.map_arg(m.args, env.__getitem__), **fx.node.map_arg(m.kwargs, env.__getitem__))
 

@@ -33,8 +33,8 @@ from moecompile.distributed import ALL_TO_ALL
 from moecompile.meta import MoEInfo, Role, moe
 from moecompile.outputs import add_side_outputs
 
-from .ep_alltoall import _swap_blocks
-from .expert_parallel import Block, Emit
+from .ep_alltoall import _swap_blocks, _swap_rows
+from .expert_parallel import Block, Emit, row_weights_of
 
 aten, mc = torch.ops.aten, torch.ops.moecompile
 EXPERT_ROLES = (Role.EXPERTS, Role.EXPERT_ACT)
@@ -198,14 +198,18 @@ def chunk_slots(gm: fx.GraphModule, layer: MoELayer, n: int, P: int, group: str)
     x_in, sizes = experts[0].args[0], experts[0].args[2]
     if n > C:
         return f"{n} chunks but only {C} capacity slots per expert"
-    if 0 not in outs or 2 not in outs or not all(isinstance(a, fx.Node) for a in (x_in, sizes)):
+    if 0 not in outs or 1 not in outs or 2 not in outs or not all(isinstance(a, fx.Node) for a in (x_in, sizes)):
         return "the permute's rows or group sizes are not where the static all-to-all puts them"
     L, H = E // P, int(outs[0].meta["val"].shape[1])
     section, y_old = set(experts), unpermute.args[0]
     em = Emit(gm, Block(layer.name, layer.info, permute, outs, experts, unpermute), group)
+    w_arrived = row_weights_of(experts)  # the glu applies the routing weights: they travel with the rows
     parts = []
     with em.at(unpermute):
         x_ECH = em(Role.DISPATCH, aten.view.default, outs[0], [E, C, H])
+        if w_arrived is not None:
+            w_src = em.row_weights(Role.PERMUTE, outs[1], permute.args[2], anchor=unpermute)
+            w_EC = em(Role.DISPATCH, aten.view.default, w_src, [E, C])
         for c, (lo, hi) in enumerate(_bounds(C, n)):
             Cc = hi - lo
             with _chunk(graph, c, layer.name):
@@ -215,6 +219,11 @@ def chunk_slots(gm: fx.GraphModule, layer: MoELayer, n: int, P: int, group: str)
                     x_in: _swap_blocks(em, Role.DISPATCH, arrived, P, L, Cc, H),
                     sizes: em(Role.DISPATCH, aten.new_full.default, outs[2], [L], P * Cc),
                 }
+                if w_arrived is not None:
+                    w_c = em(Role.DISPATCH, aten.reshape.default, em(Role.DISPATCH, aten.slice.Tensor, w_EC, 1, lo, hi), [E * Cc])
+                    w_back = em.collective(ALL_TO_ALL, w_c, [L * Cc] * P, [L * Cc] * P,
+                                           what=f"dispatch routing weights (chunk {c})")
+                    env[w_arrived] = _swap_rows(em, Role.DISPATCH, w_back, P, L, Cc)
                 for m in experts:
                     new = graph.node_copy(m, lambda a: env.get(a, a) if a in env or a in section else a)
                     new.meta.pop("val", None)

@@ -9,9 +9,16 @@ After::
     x_TH = view(x, [-1, H]);  logits_TE = linear(x_TH, router.weight)
     weights_TK, idx_TK = moecompile.route(logits_TE, expert_bias, k, score, normalize)
     x_NH, row_src_N, sizes_E, load_E = moecompile.permute(x_TH, idx_TK, weights_TK, E, capacity, policy)
-    h_NF = moecompile.glu(moecompile.grouped_mm(x_NH, experts.w_gate_up, sizes_E, None), "silu")
-    y_TH = moecompile.unpermute(moecompile.grouped_mm(h_NF, experts.w_down, sizes_E, None), row_src_N, weights_TK, T)
+    w_N = where(row_src_N >= 0, weights_TK.view(-1)[row_src_N], 0)       # each row's routing weight
+    h_NF = moecompile.glu(moecompile.grouped_mm(x_NH, experts.w_gate_up, sizes_E, None), "silu", w_N)
+    y_TH = moecompile.unpermute(moecompile.grouped_mm(h_NF, experts.w_down, sizes_E, None), row_src_N, weights_TK, T,
+                                weighted=False)
     y = view_as(y_TH [+ shared_experts(x_TH)], x)
+
+That is ``experts.apply_weights: activation`` (``auto`` picks it for GLU experts without a
+down-projection bias): the weight enters on the [N, F] GLU output, so the combine only sums
+and keeps no [N, H] rows for its backward. ``combine`` (and non-GLU or biased experts)
+leaves glu unweighted and has ``unpermute`` multiply the expert outputs.
 
 Initialisation is sparse / granular upcycling: expert ``c*G + s`` holds slice ``s`` of
 the dense FFN (copy ``c``); router rows of a virtual group (G experts of one copy)
@@ -30,6 +37,7 @@ import torch.nn.functional as F
 from torch.fx.traceback import annotate
 
 import moecompile.kernels  # noqa: F401  (registers torch.ops.moecompile.*)
+from moecompile.kernels import row_weights
 from moecompile.distributed import ALL_REDUCE, wait_tensor
 from moecompile.errors import PlanError
 from moecompile.graph import add_parameter, clean_path, delete_unused_attrs, get_attr_value, inline, trace_block
@@ -128,19 +136,35 @@ def _register(gm: fx.GraphModule, layer: str, info: FFNInfo, cfg: ExpertsConfig,
     return {k: add_parameter(gm, prefix + names[k], t, requires_grad=k != "bias") for k, t in tensors.items()}
 
 
-def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, load_group: tuple[str, int] | None = None):
+def weights_at(cfg: ExpertsConfig, info: FFNInfo, layer: str) -> str:
+    """Where ``layer``'s routing weights are multiplied in: "activation" or "combine" (see the docstring)."""
+    fits = info["kind"] == "glu" and "down" not in info["biases"]
+    if cfg.apply_weights == "activation" and not fits:
+        why = "its experts are not GLUs" if info["kind"] != "glu" else "its down projection has a bias"
+        raise PlanError(
+            "experts.apply_weights", "activation",
+            f"cannot apply to {layer or '<root>'}: {why}, so the weight would not commute with the down "
+            "projection; use 'auto' (activation where it applies) or 'combine'",
+        )
+    return "activation" if fits and cfg.apply_weights != "combine" else "combine"
+
+
+def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, load_group: tuple[str, int] | None = None,
+              weights_at: str = "combine"):
     """The MoE computation as plain torch code; traced to ATen and inlined by the pass.
 
     ``load_group`` (group name, size): sum the expert load over those ranks for the
     ``global_aux`` loss, launched after the permute and waited on where the loss needs it.
+    ``weights_at``: "activation" hands glu each row's weight, "combine" hands them to unpermute.
     """
     E, k, S = cfg.num_experts, cfg.top_k, cfg.shared_experts
+    in_act = weights_at == "activation"
 
-    def expert_mlp(x, w_in, w_out, b_in, b_out, sizes):
+    def expert_mlp(x, w_in, w_out, b_in, b_out, sizes, w_N=None):
         with annotate({"role": "experts"}):
             h = mc.grouped_mm(x, w_in, sizes, b_in)
         with annotate({"role": "expert_act"}):
-            h = mc.glu(h, act) if glu else _ACT[act](h)
+            h = mc.glu(h, act, w_N) if glu else _ACT[act](h)
         with annotate({"role": "experts"}):
             return mc.grouped_mm(h, w_out, sizes, b_out)
 
@@ -155,9 +179,13 @@ def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, load_group
         if load_group is not None:
             with annotate({"role": "collective_start", "group": load_group[0]}):
                 pending = ALL_REDUCE(load_E, "sum", load_group[0])
-        y_NH = expert_mlp(x_NH, w_in, w_out, b_in, b_out, sizes_E)
+        w_N = None
+        if in_act:
+            with annotate({"role": "permute"}):
+                w_N = row_weights(row_src_N, weights_TK)
+        y_NH = expert_mlp(x_NH, w_in, w_out, b_in, b_out, sizes_E, w_N)
         with annotate({"role": "combine"}):
-            y_TH = mc.unpermute(y_NH, row_src_N, weights_TK, x_TH.shape[0])
+            y_TH = mc.unpermute(y_NH, row_src_N, weights_TK, x_TH.shape[0], not in_act)
         if S:
             with annotate({"role": "shared_experts"}):
                 y_TH = y_TH + _shared_mlp(x_TH, shared_w_in, shared_w_out, shared_b_in, shared_b_out, act, glu)
@@ -233,7 +261,8 @@ def upcycle(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         capacity = cfg.capacity(int(tokens))
         params = _register(gm, layer, info, cfg, ctx.plan.experts.seed)
         values = {k: get_attr_value(gm, n) for k, n in params.items()}
-        block = trace_block(moe_block(cfg, info["act"], info["kind"] == "glu", capacity, load_group),
+        where = weights_at(cfg, info, layer)
+        block = trace_block(moe_block(cfg, info["act"], info["kind"] == "glu", capacity, load_group, where),
                             {"x": torch.zeros(x_val.shape, dtype=x_val.dtype, device=x_val.device), **values})
         existing = set(gm.graph.nodes)
         with gm.graph.inserting_before(out):
@@ -246,12 +275,14 @@ def upcycle(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         moe_info = MoEInfo(
             num_experts=cfg.num_experts, top_k=cfg.top_k, granularity=cfg.granularity, shared_experts=cfg.shared_experts,
             act=info["act"], glu=info["kind"] == "glu", params=params, nodes={}, expert_range=(0, cfg.num_experts),
+            weights_at=where,
         )
         set_moe(y, layer=layer, role=Role.COMBINE, moe=moe_info)
         converted.append(layer)
         ctx.decide(
             f"{layer or '<root>'}: {info['kind']} FFN -> {cfg.num_experts} experts top-{cfg.top_k} (G={cfg.granularity}, "
-            f"shared={cfg.shared_experts}, {'dropless' if not capacity else f'capacity {capacity}'})"
+            f"shared={cfg.shared_experts}, {'dropless' if not capacity else f'capacity {capacity}'}, "
+            f"routing weights at the {where})"
         )
     ctx.record(layers=converted)
     return gm

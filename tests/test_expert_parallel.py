@@ -205,9 +205,13 @@ def scenario_two_ranks(rank: int, world_size: int) -> dict:
         errs = ep_errors(rank, model, plan(2, dispatcher), xs, targets)
         assert_close(errs, f"{dispatcher} dropless")
         facts = graph_facts(errs["result"])
-        # per layer: alltoall = counts + dispatch + combine, one host sync for the splits (2P - 1 ints)
+        # per layer: alltoall = counts + dispatch + combine (+ the routing weights where the glu applies them:
+        # layer 0, a GLU without a down bias), one host sync for the splits (2P - 1 ints)
         # allgather = x, idx, w gathers + one reduce-scatter, one host sync for the local row count
-        assert facts["starts"] == facts["waits"] == 2 * (3 if dispatcher == "alltoall" else 4), facts
+        in_glu = [n.meta["moe"]["moe"]["weights_at"] for n in errs["result"].module.graph.nodes
+                  if "moe" in n.meta.get("moe", {})].count("activation")
+        assert in_glu == 1
+        assert facts["starts"] == facts["waits"] == (2 * 3 + in_glu if dispatcher == "alltoall" else 2 * 4), facts
         assert facts["host_syncs"] == 2 * (3 if dispatcher == "alltoall" else 1), facts
         gm = errs["result"].module
         lo, hi = rank * E // 2, (rank + 1) * E // 2
@@ -228,7 +232,7 @@ def scenario_two_ranks(rank: int, world_size: int) -> dict:
         assert_close(errs, f"{dispatcher} static")
         facts = graph_facts(errs["result"])
         assert facts["host_syncs"] == 0, "static dispatch must not sync the host"
-        assert facts["starts"] == 2 * (1 + 1 if dispatcher == "alltoall" else 4), facts
+        assert facts["starts"] == (2 * 2 + 1 if dispatcher == "alltoall" else 2 * 4), facts  # +1: layer 0's weights
         # which tokens dropped: exactly those whose output moved away from the dropless result
         ref_static, _, _ = reference(model, p, xs, targets)
         moved_ref = (ref_static[rank] - ref_dropless[rank]).abs().amax(-1) > 1e-6

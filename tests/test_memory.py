@@ -153,7 +153,8 @@ def test_expert_parallel_estimate_is_per_rank(model, batch, fake_world, mode):
     assert one.expert_params > 0 and two.expert_params * 2 == one.expert_params  # E/ep local experts
     assert two.params - two.expert_params == one.params - one.expert_params  # dense part replicated
     assert two.grads == two.params and two.optimizer == 2 * two.params  # fp32 AdamW on the local shard
-    assert two.by_category["permutation"] > one.by_category["permutation"]  # dispatch/combine buffers
+    # the dispatched rows the experts keep: as many per rank as one process keeps (balanced routing)
+    assert abs(two.by_category["permutation"] - one.by_category["permutation"]) / one.by_category["permutation"] < 0.1
     assert abs(two.activations - one.activations) / one.activations < 0.1  # balanced: the same rows per rank
     assert [p.name for p in two.by_pass] == [r.name for r in result.history]
     assert all(p.activations is not None for p in two.by_pass)

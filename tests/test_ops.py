@@ -335,6 +335,7 @@ def _opcheck_cases():
     yield "glu", (torch.randn(2, 3, 4, **rg), "gelu_tanh")
     yield "unpermute", (torch.randn(10, 6, **rg), row_src, w.clone().requires_grad_(), 5)
     yield "unpermute", (torch.randn(8, 6, **rg), row_src_c, w.clone().requires_grad_(), 5)
+    yield "unpermute", (torch.randn(8, 6, **rg), row_src_c, w.clone(), 5, False)
 
 
 @pytest.mark.parametrize("name,args", list(_opcheck_cases()),
@@ -382,6 +383,26 @@ def test_gradcheck_unpermute(capacity):
     y = torch.randn(row_src.shape[0], 6, dtype=F64, requires_grad=True)
     w = w.clone().requires_grad_()
     assert torch.autograd.gradcheck(lambda y, w: mk.unpermute(y, row_src, w, 5), (y, w))
+    assert torch.autograd.gradcheck(lambda y: mk.unpermute(y, row_src, w, 5, False), (y,))
+
+
+@pytest.mark.parametrize("capacity", [0, 2])
+def test_weights_in_the_rows_combine_like_weights_in_the_combine(capacity):
+    """unpermute(y * row_weights, weighted=False) == unpermute(y): values and both grads; y is not saved."""
+    x, idx, w = _routed(dtype=F64)
+    _, row_src, _, _ = mk.permute(x.detach(), idx, w, 4, capacity, "probs")
+    y = torch.randn(row_src.shape[0], 6, dtype=F64, requires_grad=True)
+    w = w.clone().requires_grad_()
+    g = torch.randn(5, 6, dtype=F64)
+    want = torch.autograd.grad(mk.unpermute(y, row_src, w, 5), (y, w), g)
+    y_weighted = y * mk.row_weights(row_src, w)[:, None]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = mk.unpermute(y_weighted, row_src, w, 5, False)
+    got = torch.autograd.grad(out, (y, w), g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    assert saved and max(t.numel() for t in saved) < y.numel(), [tuple(t.shape) for t in saved]
 
 
 def test_fake_impls_give_static_shapes():

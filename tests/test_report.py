@@ -184,7 +184,7 @@ def test_plain_report_says_what_each_pass_did(result, rows):
     up = next(line for line in lines if line.startswith("upcycle "))
     u = rows["upcycle"]
     assert f"{u.nodes} (+{u.added}/-{u.removed})" in up and "63.90 K (+37.12 K)" in up and "72.19 KFLOP" in up
-    assert "    - model.layers.0.mlp: glu FFN -> 4 experts top-2 (G=1, shared=0, dropless)" in lines
+    assert "    - model.layers.0.mlp: glu FFN -> 4 experts top-2 (G=1, shared=0, dropless, routing weights at the activation)" in lines
     assert "    * layers: model.layers.0.mlp, model.layers.1.mlp" in lines
     assert "    - placed experts 0-1 on rank 0, 2-3 on rank 1" in lines
     assert "    * placement: rank0=0, 1; rank1=2, 3" in lines and "    * overlapped: 3" in lines
@@ -299,13 +299,14 @@ def test_comm_bytes_and_flops_after_expert_parallel(tmp_path):
     dense = DENSE_FLOPS - L * 2 * 3 * H * F + L * 2 * H * E  # everything but the experts, router included
     # static, capacity 16 per expert per source rank: each rank runs its 2 experts on 2 x 2 x 16 = 64 rows
     static = got["static"]
-    assert static["comm"] == {"all_to_all_single": L * 2 * 64 * H * 4}  # dispatch + combine of 64 x H rows
-    assert static["collectives"] == 2 * L and not static["estimated"] and not static["approximate"]
+    # dispatch + combine of 64 x H rows, and the 64 rows' routing weights (the glu applies them)
+    assert static["comm"] == {"all_to_all_single": L * (2 * 64 * H * 4 + 64 * 4)}
+    assert static["collectives"] == 3 * L and not static["estimated"] and not static["approximate"]
     assert static["flops"] == dense + L * 64 * 2 * 3 * H * F / T
-    assert "64.00 KiB" in static["line"] and "~" not in static["line"]
+    assert "65.00 KiB" in static["line"] and "~" not in static["line"]
     # dropless: counts exchange + dispatch of the 32 rows sent; what arrives is data-dependent, estimated as 32
     dropless = got["dropless"]
-    assert dropless["comm"] == {"all_to_all_single": L * (E * 8 + 2 * 32 * H * 4)}
-    assert dropless["collectives"] == 3 * L and dropless["estimated"] and not dropless["approximate"]
+    assert dropless["comm"] == {"all_to_all_single": L * (E * 8 + 2 * 32 * H * 4 + 32 * 4)}
+    assert dropless["collectives"] == 4 * L and dropless["estimated"] and not dropless["approximate"]
     assert dropless["flops"] == MOE_FLOPS
-    assert "~72.19 KFLOP" in dropless["line"] and "~32.12 KiB" in dropless["line"]
+    assert "~72.19 KFLOP" in dropless["line"] and "~32.62 KiB" in dropless["line"]

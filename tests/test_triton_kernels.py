@@ -159,7 +159,7 @@ def dispatch_cases(draw):
     return dict(T=draw(st.integers(1, 40)), E=E, K=draw(st.integers(1, min(8, E))), H=draw(st.integers(1, 70)),
                 capacity=draw(st.sampled_from([0, 0, 1, 3, 8])), policy=draw(st.sampled_from(["position", "probs"])),
                 align=draw(st.sampled_from([1, 1, 4, 16])), empty=draw(st.booleans()),
-                dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 2**16)))
+                weighted=draw(st.booleans()), dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 2**16)))
 
 
 def check_dispatch(case):
@@ -173,7 +173,9 @@ def check_dispatch(case):
         x_NH, row_src, sizes, load = mk.permute(x, idx, w.detach(), E, case["capacity"], case["policy"],
                                                 case["align"])
         y_NH = (x_NH.float() * 1.5 + 0.25).to(dtype)  # rows differ from x so the combine is tested
-        out = mk.unpermute(y_NH, row_src, w, T)
+        if not case.get("weighted", True):  # the rows carry their weights (as glu's weight_N leaves them)
+            y_NH = y_NH * mk.row_weights(row_src, w).to(dtype)[:, None]
+        out = mk.unpermute(y_NH, row_src, w, T, case.get("weighted", True))
         gx, gw = grads(out, (x, w), case["seed"])
         return (x_NH, row_src, sizes, load), (out, gx, gw)
     (layout, floats), (layout_r, floats_r) = both(run)
@@ -188,6 +190,10 @@ test_permute_unpermute, test_permute_unpermute_many = prop(dispatch_cases(), exa
          seed=1),
     dict(T=20, E=3, K=3, H=5, capacity=3, policy="probs", align=4, empty=False, dtype=torch.float32, seed=2),
     dict(T=23, E=2, K=1, H=64, capacity=8, policy="position", align=1, empty=True, dtype=torch.float32, seed=3),
+    dict(T=17, E=5, K=2, H=9, capacity=3, policy="probs", align=4, empty=True, weighted=False, dtype=torch.float32,
+         seed=4),
+    dict(T=9, E=4, K=2, H=16, capacity=0, policy="position", align=1, empty=False, weighted=False,
+         dtype=torch.bfloat16, seed=5),
 ])(check_dispatch)
 
 
@@ -335,9 +341,8 @@ def test_moe_block_runs_on_triton_end_to_end():
     def run():
         weights, idx = mk.route(x @ router.T, None, K, "softmax", True)
         x_NH, row_src, sizes, _ = mk.permute(x, idx, weights, E, 0, "position", 16)
-        w_N = torch.where(row_src >= 0, weights.reshape(-1)[row_src.clamp(min=0)], 0)
-        h = mk.glu(mk.grouped_mm(x_NH, w1, sizes), "silu", w_N)
-        out = mk.unpermute(mk.grouped_mm(h, w2, sizes), row_src, torch.ones_like(weights), T)
+        h = mk.glu(mk.grouped_mm(x_NH, w1, sizes), "silu", mk.row_weights(row_src, weights))
+        out = mk.unpermute(mk.grouped_mm(h, w2, sizes), row_src, weights, T, False)
         return (out, *grads(out, (x, router, w1, w2), 0))
     got, want = both(run)
     close(got, want, torch.float32, "block")

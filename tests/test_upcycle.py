@@ -198,3 +198,51 @@ def test_new_parameters_live_on_the_dense_models_device():
     devices = {name: t.device.type for name, t in [*result.module.named_parameters(), *result.module.named_buffers()]}
     assert any("router" in name for name in devices) and any("expert_bias" in name for name in devices)
     assert set(devices.values()) == {"meta"}, devices
+
+
+def _weights_at(result) -> set[str]:
+    return {n.meta["moe"]["moe"]["weights_at"] for n in result.module.graph.nodes if "moe" in n.meta.get("moe", {})}
+
+
+@pytest.mark.parametrize("family, want", [("llama", "activation"), ("gpt2", "combine")])
+def test_auto_puts_the_routing_weights_in_the_glu_where_they_commute(family, want, ids):
+    result = mc.convert(tiny_hf(family), plan(), (ids,))
+    assert _weights_at(result) == {want}
+    glus = [n for n in result.module.graph.nodes if n.target is torch.ops.moecompile.glu.default]
+    assert all((len(n.args) > 2 and n.args[2] is not None) == (want == "activation") for n in glus)
+    assert f"routing weights at the {want}" in result.report()
+
+
+def test_activation_weights_match_combine_weights_after_training_moved_the_experts(llama, ids):
+    """Same function, same gradients (to round-off); the combine keeps no [N, H] rows for its backward."""
+    runs = {}
+    for where in ("activation", "combine"):
+        result = mc.convert(llama, plan(E=8, k=2, apply_weights=where, router_noise=0.1), (ids,))
+        torch.manual_seed(1)
+        with torch.no_grad():  # experts that differ, so a wrong weight placement shows
+            for name, p in result.module.named_parameters():
+                if "experts" in name:
+                    p.add_(torch.randn_like(p) * 0.05)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out = result.module(ids).logits
+        out.square().mean().backward()
+        grads = {k: p.grad for k, p in result.module.named_parameters()}
+        runs[where] = out, grads, sum(saved)
+        assert _weights_at(result) == {where}
+    (out_a, g_a, saved_a), (out_c, g_c, saved_c) = runs["activation"], runs["combine"]
+    torch.testing.assert_close(out_a, out_c, rtol=1e-5, atol=1e-6)
+    assert g_a.keys() == g_c.keys() and any("router" in k for k in g_a)
+    for k in g_a:
+        torch.testing.assert_close(g_a[k], g_c[k], rtol=1e-4, atol=1e-6, msg=k)
+    N, H = ids.numel() * 2, llama.config.hidden_size  # T*k routed rows of width H, per MoE layer
+    # 2 layers: the combine's [N, H] rows gone; the glu's weights, the gather's index and mask ([N] each) added
+    assert saved_c - saved_a == 2 * N * H - 2 * 3 * N, (saved_c, saved_a)
+
+
+def test_activation_weights_on_experts_they_do_not_commute_with_is_a_plan_error(ids):
+    # a PassError of upcycle (like any pass failure) carrying the PlanError's field, value and rule
+    with pytest.raises(mc.PassError, match=r"upcycle.*PlanError.*apply_weights.*not GLUs.*'auto'.*'combine'"):
+        mc.convert(tiny_hf("gpt2"), plan(apply_weights="activation"), (ids,))
+    with pytest.raises(mc.PassError, match="down projection has a bias"):
+        mc.convert(PlainGLU(), plan(E=4, apply_weights="activation"), (torch.randn(2, 3, 24),))

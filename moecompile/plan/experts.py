@@ -29,6 +29,15 @@ class ExpertsConfig(Section):
     )
     score: Literal["softmax", "sigmoid"] = doc_field("softmax", "Router score function.")
     normalize: bool = doc_field(True, "Renormalise the top-k weights to sum to 1 (needed for exact upcycling).")
+    apply_weights: Literal["auto", "activation", "combine"] = doc_field(
+        "auto",
+        "Where each routed row's weight is multiplied in. 'combine': on the expert outputs [T*k, H] as the "
+        "combine sums them (Hugging Face's order; the combine keeps those rows for its backward). "
+        "'activation': on the GLU output [T*k, F], before the down projection (Megatron-Core's probs in the "
+        "activation): nothing [T*k, H] is kept for the combine's backward and the multiply and its gradient "
+        "dot are F wide, not H; needs GLU experts without an output bias (the weight must commute with the "
+        "down projection). 'auto': activation where it applies, else combine.",
+    )
     capacity_factor: Union[float, None] = doc_field(
         None, "Per-expert capacity as a multiple of T*k/E; null is dropless."
     )
