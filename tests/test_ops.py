@@ -376,12 +376,17 @@ def test_gradcheck_glu(act):
     assert torch.autograd.gradcheck(lambda h: mk.glu(h, act), (h,))
 
 
-@pytest.mark.parametrize("capacity", [0, 2])
-def test_gradcheck_unpermute(capacity):
+def _expert_rows(capacity: int):
+    """(row_src, expert outputs y [N, 6], routing weights w [5, K]) of a routed toy batch, float64."""
     x, idx, w = _routed(dtype=F64)
     _, row_src, _, _ = mk.permute(x.detach(), idx, w, 4, capacity, "probs")
     y = torch.randn(row_src.shape[0], 6, dtype=F64, requires_grad=True)
-    w = w.clone().requires_grad_()
+    return row_src, y, w.clone().requires_grad_()
+
+
+@pytest.mark.parametrize("capacity", [0, 2])
+def test_gradcheck_unpermute(capacity):
+    row_src, y, w = _expert_rows(capacity)
     assert torch.autograd.gradcheck(lambda y, w: mk.unpermute(y, row_src, w, 5), (y, w))
     assert torch.autograd.gradcheck(lambda y: mk.unpermute(y, row_src, w, 5, False), (y,))
 
@@ -389,10 +394,7 @@ def test_gradcheck_unpermute(capacity):
 @pytest.mark.parametrize("capacity", [0, 2])
 def test_weights_in_the_rows_combine_like_weights_in_the_combine(capacity):
     """unpermute(y * row_weights, weighted=False) == unpermute(y): values and both grads; y is not saved."""
-    x, idx, w = _routed(dtype=F64)
-    _, row_src, _, _ = mk.permute(x.detach(), idx, w, 4, capacity, "probs")
-    y = torch.randn(row_src.shape[0], 6, dtype=F64, requires_grad=True)
-    w = w.clone().requires_grad_()
+    row_src, y, w = _expert_rows(capacity)
     g = torch.randn(5, 6, dtype=F64)
     want = torch.autograd.grad(mk.unpermute(y, row_src, w, 5), (y, w), g)
     y_weighted = y * mk.row_weights(row_src, w)[:, None]
