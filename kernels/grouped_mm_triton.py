@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .grouped_mm import _check, _check_sizes
-from .grouped_mm_fp8 import GEMM_RECIPES, _check as _check_fp8
+from .grouped_mm_fp8 import _check as _check_fp8
 
 INTERPRET = triton.knobs.runtime.interpret
 _RECIPE_ID = {"tensorwise": 0, "rowwise": 1, "blockwise": 2}
@@ -227,7 +227,7 @@ def grouped_mm_triton(x_NI: Tensor, w_EOI: Tensor, group_sizes_E: Tensor, bias_E
 
 
 def grouped_mm_wgrad_triton(grad_y_NO: Tensor, x_NI: Tensor, group_sizes_E: Tensor) -> Tensor:
-    (N, O), I, E = grad_y_NO.shape, x_NI.shape[1], group_sizes_E.shape[0]
+    O, I, E = grad_y_NO.shape[1], x_NI.shape[1], group_sizes_E.shape[0]
     dw_EOI = grad_y_NO.new_empty((E, O, I))
     if O == 0 or I == 0:
         return dw_EOI
