@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import backend, library
+from .row_ops import row_dot
 
 ACTS = ("silu", "gelu", "gelu_tanh", "relu")
 
@@ -60,7 +61,7 @@ def glu_ref(h_NF2: Tensor, act: str, weight_N: Optional[Tensor] = None) -> Tenso
     _check(h_NF2, act, weight_N)
     gate_NF, up_NF = h_NF2.chunk(2, dim=-1)
     out_NF = _act(gate_NF, act).mul_(up_NF)
-    return out_NF if weight_N is None else out_NF * weight_N.to(out_NF.dtype).unsqueeze(-1)
+    return out_NF if weight_N is None else out_NF.mul_(weight_N.to(out_NF.dtype).unsqueeze(-1))
 
 
 @library.op("moecompile::glu")
@@ -94,14 +95,24 @@ def glu_backward(grad_NF: Tensor, h_NF2: Tensor, act: str) -> Tensor:
 def glu_backward_ref(
     grad_NF: Tensor, h_NF2: Tensor, act: str, weight_N: Optional[Tensor]
 ) -> tuple[Tensor, Tensor]:
-    """(grad_h, grad_weight); grad_weight[n] = <grad[n], act(gate[n]) * up[n]>, empty without weight."""
+    """(grad_h, grad_weight); grad_weight[n] = <grad[n], act(gate[n]) * up[n]>, empty without weight.
+
+    Weighted, written into grad_h's halves in place with one [N, F] temporary (act(gate)): on a
+    CPU a fresh [N, F] buffer costs more than the arithmetic on it (page faults).
+        d gate = (g * up) * w * act'(gate)      d up = (g * act(gate)) * w
+        grad_w = <g * up, act(gate)>            the unweighted d gate, before w and act'
+    """
     if weight_N is None:
         return glu_backward(grad_NF, h_NF2, act), h_NF2.new_empty((0,))
-    w_N1 = weight_N.to(grad_NF.dtype).unsqueeze(-1)
-    grad_h = glu_backward(grad_NF * w_N1, h_NF2, act)
-    acc = torch.promote_types(h_NF2.dtype, torch.float32)
-    gate_NF, up_NF = h_NF2.to(acc).chunk(2, dim=-1)
-    grad_w_N = (grad_NF.to(acc) * _act(gate_NF, act) * up_NF).sum(-1)
+    gate_NF, up_NF = h_NF2.chunk(2, dim=-1)
+    grad_h = h_NF2.new_empty(h_NF2.shape, dtype=torch.promote_types(grad_NF.dtype, h_NF2.dtype))
+    grad_gate_NF, grad_up_NF = grad_h.chunk(2, dim=-1)
+    w_N1 = weight_N.to(grad_h.dtype).unsqueeze(-1)
+    act_NF = _act(gate_NF, act)
+    torch.mul(grad_NF, up_NF, out=grad_gate_NF)
+    grad_w_N = row_dot(grad_gate_NF, act_NF, torch.promote_types(h_NF2.dtype, torch.float32))
+    torch.mul(grad_NF, act_NF, out=grad_up_NF).mul_(w_N1)
+    _act_backward(grad_gate_NF.mul_(w_N1), gate_NF, act, out=grad_gate_NF)
     return grad_h, grad_w_N.to(weight_N.dtype)
 
 

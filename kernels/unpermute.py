@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import backend, library
+from .row_ops import row_dot
 
 
 def _check(y_NH: Tensor, row_src_N: Tensor, weights_TK: Tensor, num_tokens: int) -> None:
@@ -98,13 +99,7 @@ def unpermute_backward(
             grad_rows_NH = grad_rows_NH.mul_(w_N.unsqueeze(1))
         return grad_rows_NH.to(torch.promote_types(grad_TH.dtype, y_NH.dtype)), torch.zeros_like(weights_TK)
     acc = torch.promote_types(weights_TK.dtype, torch.float32)
-    if y_NH.dtype == acc and grad_rows_NH.dtype == acc:
-        # a batched [1, H] @ [H, 1]: no [N, H] temporary, one op (benchmarks/row_ops_cpu.py: 25 ms at the
-        # fine shape against 36 for linalg.vecdot, which multiplies then sums; 14 us tiny against einsum's 24)
-        dot_N = torch.bmm(grad_rows_NH.unsqueeze(1), y_NH.unsqueeze(2)).view(-1)
-    else:  # products in the activations' dtype, summed in float32 (no float32 copies of both operands)
-        dot_N = (grad_rows_NH * y_NH).sum(-1, dtype=acc)
-    dot_N = dot_N.masked_fill(row_src_N < 0, 0)
+    dot_N = row_dot(grad_rows_NH, y_NH, acc).masked_fill(row_src_N < 0, 0)
     grad_y_NH = grad_rows_NH.mul_(w_N.unsqueeze(1))
     grad_w_A = weights_TK.new_zeros((weights_TK.numel(),), dtype=acc).index_add_(0, src_N, dot_N)
     return grad_y_NH, grad_w_A.reshape(weights_TK.shape).to(weights_TK.dtype)
