@@ -8,6 +8,7 @@ half the threads each, experts sharded 2 ways (slowest rank's time, largest rank
 Rounds of fresh processes are interleaved; the table pools their timed steps.
 
     python benchmarks/train_step.py [--steps 6] [--rounds 3] [--batch 8] [--seq 256] [--hidden 256] [--ffn 512]
+                                    [--host-memory keep|system]
 """
 
 from __future__ import annotations
@@ -38,16 +39,20 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--host-memory", choices=["keep", "system"], default="keep",
+                    help="keep (what build_train_step does on CPU): every variant's process reuses freed heap; "
+                         "system: glibc's default malloc for every variant")
     a = ap.parse_args()
     spec = BenchSpec(
         model="tiny-llama", steps=a.steps, warmup=a.warmup, rounds=a.rounds, batch=a.batch, seq=a.seq,
         config={"vocab_size": 256, "hidden_size": a.hidden, "intermediate_size": a.ffn, "num_hidden_layers": a.layers,
                 "max_position_embeddings": a.seq},
         plan={"experts": {"num_experts": a.experts, "top_k": a.top_k, "aux_loss": "none"}},
+        keep_host_memory=a.host_memory == "keep",
     )
     start = time.perf_counter()
     rows = bench(spec, tuple(a.variants), threads=a.threads)
-    print(f"Llama {a.layers} layers H={a.hidden} F={a.ffn}, fp32, {a.threads} threads ({time.perf_counter() - start:.0f} s)")
+    print(f"Llama {a.layers} layers H={a.hidden} F={a.ffn}, fp32, {a.threads} threads, host memory: {a.host_memory} ({time.perf_counter() - start:.0f} s)")
     print(render(spec, rows))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "train_step.json").write_text(json.dumps(

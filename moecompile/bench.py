@@ -46,6 +46,7 @@ class BenchSpec:
     rounds: int = 1  # fresh processes, each running every variant
     lr: float = 1e-3
     seed: int = 0
+    keep_host_memory: bool = True  # every variant's process: host_memory.keep_freed_memory(), as the step does
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +121,10 @@ def _measure(rank: int, world: int, variants: tuple[str, ...], spec: BenchSpec) 
 
     RSS growth (peak over the loop minus peak before it) is only a variant's own when it runs alone.
     """
+    if spec.keep_host_memory:  # before any variant allocates, so all of them run on the same malloc
+        from .host_memory import keep_freed_memory
+
+        keep_freed_memory()
     torch.manual_seed(spec.seed)
     x, y = _tokens(spec, rank, world)
     steps = {v: _build(v, spec, world, x) for v in variants}
@@ -161,7 +166,7 @@ def _build(variant: str, spec: BenchSpec, world: int, x: torch.Tensor) -> Callab
     result = convert(dense, plan, (x,), world=world_obj)
     if variant.startswith("moecompile"):
         step = build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=spec.lr), precision="fp32",
-                                world=world_obj)
+                                world=world_obj, keep_host_memory=spec.keep_host_memory)
         return lambda x, y: step(x, y).lm_loss
     aux = plan.experts.aux_loss != "none"
     peer = _hf_peer(result, dense.config, variant.removeprefix("hf_"), aux)

@@ -15,7 +15,9 @@ One call runs::
 
 Metrics are reduced over the data-parallel group in one small collective, launched after
 the forward and waited on after the backward. ``cuda_graph.mode`` picks how the step runs
-(moecompile.cuda_graphs); on CPU it runs eagerly and says so once.
+(moecompile.cuda_graphs); on CPU it runs eagerly and says so once, and (``keep_host_memory``)
+keeps freed host memory for reuse, since a fresh large CPU tensor costs page faults every step
+(moecompile.host_memory).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import host_memory
 from .errors import MoecompileError
 from .grad_sync import GradBuckets, expert_parameters, moe_blocks
 
@@ -90,6 +93,7 @@ class TrainStep:
         bucket_mb: float = 25.0,
         expert_bias_rate: float | None = None,
         cuda_graph: str | None = None,
+        keep_host_memory: bool | None = None,
     ):
         self.result = result
         self.module: nn.Module = result.module
@@ -107,6 +111,10 @@ class TrainStep:
                 f"the converted module's tensors are on more than one device: {elsewhere[:3]} are not on "
                 f"{self.device}; move the module (result.module.to(device)) or convert the model on one device"
             )
+        if keep_host_memory if keep_host_memory is not None else self.device.type == "cpu":
+            if host_memory.keep_freed_memory():
+                log.info("host memory: glibc keeps freed blocks for reuse (no mmap, no trim; keep_host_memory=False "
+                         "leaves malloc as it is)")
         self.precision = precision or ("bf16" if self.device.type == "cuda" else "fp32")
         if self.precision not in PRECISIONS:
             raise MoecompileError(f"precision {self.precision!r} is not one of {PRECISIONS}")
@@ -300,6 +308,7 @@ def build_train_step(
     Options: ``world`` (default: the one ``convert`` used), ``clip_grad_norm``, ``precision``
     ("fp32" | "bf16"; default bf16 on CUDA, fp32 on CPU), ``bucket_mb`` (gradient bucket size),
     ``expert_bias_rate`` (default ``plan.experts.expert_bias_rate``), ``cuda_graph``
-    ("none" | "partial" | "full"; default ``plan.cuda_graph.mode``).
+    ("none" | "partial" | "full"; default ``plan.cuda_graph.mode``), ``keep_host_memory`` (default
+    True on CPU: ``moecompile.host_memory.keep_freed_memory``, process-wide).
     """
     return TrainStep(result, optimizer, loss_fn, **options)

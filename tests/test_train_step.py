@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -199,3 +203,29 @@ def test_ep2_expert_bias_follows_the_global_load():
             want += 0.01 * torch.sign(load.mean() - load)
         torch.testing.assert_close(a["static_biases"][layer], want)
     assert a["static_metrics"][0]["load"] == b["static_metrics"][0]["load"]  # both report the global load
+
+
+_RSS_AFTER_FREE = """
+import os, sys, torch
+from moecompile.host_memory import keep_freed_memory
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+kept = keep_freed_memory() if sys.argv[1] == "keep" else False
+x = torch.empty(64 << 20, dtype=torch.uint8).fill_(1)
+held = rss()
+del x
+print(int(kept), held - rss())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_keep_freed_memory_keeps_a_freed_64_mib_tensor_resident():
+    """glibc unmaps a freed 64 MiB block at once; with keep_freed_memory it stays for the next one."""
+    def returned(mode: str) -> tuple[int, int]:
+        out = subprocess.run([sys.executable, "-c", _RSS_AFTER_FREE, mode], check=True, capture_output=True, text=True)
+        kept, freed = out.stdout.split()
+        return int(kept), int(freed)
+
+    assert returned("system") == (0, pytest.approx(64 << 20, rel=0.1))
+    kept, freed = returned("keep")
+    assert kept == 1 and freed < 4 << 20
