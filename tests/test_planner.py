@@ -138,6 +138,19 @@ def test_dispatch_costs_more_across_nodes_and_overlap_hides_it(tiny_profile):
     assert hidden.step_s < plain.step_s
 
 
+def test_routing_weights_travel_with_the_rows_under_alltoall(tiny_profile):
+    """tiny-llama's GLU experts take the weights in the activation, so ep moves N of them each way."""
+    moe = tiny_profile.layers[1]
+    assert moe.row_weight_bytes == tiny_profile.tokens * 2 * 4  # T*k fp32 routing weights
+    layers = [dataclasses.replace(lp, row_weight_bytes=0.0) for lp in tiny_profile.layers]
+    without = dataclasses.replace(tiny_profile, layers=layers)
+    cl = tiny_cluster(8)
+    moved, not_moved = _est(tiny_profile, cl, 8), _est(without, cl, 8)
+    assert moved.term("dispatch+combine") > not_moved.term("dispatch+combine")
+    assert "routing weights" in next(t.detail for t in moved.terms if t.name == "dispatch+combine")
+    assert _est(tiny_profile, cl, 1).term("dispatch+combine") == 0
+
+
 def test_explain_prints_every_term(tiny_profile):
     from moecompile.planner.explain import explain
 

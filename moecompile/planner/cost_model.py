@@ -265,6 +265,8 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
             t, a2a_detail = _exchange(cluster, payload, ep)
             lat = cluster.link(cluster.span(ep)).latency
             count_x = lat if par.dispatch_mode == "dropless" and par.dispatcher == "alltoall" else 0.0
+            if par.dispatcher == "alltoall" and lp.row_weight_bytes:  # each row's weight goes, its gradient returns
+                count_x += 2 * _exchange(cluster, lp.row_weight_bytes * scale / tp * times.pad, ep)[0]
             if cand.ep_overlap_1f1b:
                 layer_fb = lt["total"] * (1 + BACKWARD_FACTOR)
                 exposed = max(0.0, 4 * t - layer_fb) + count_x
@@ -298,8 +300,10 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
     if ep > 1:
         how = ("1F1B: hidden behind the other micro-batch's layer" if cand.ep_overlap_1f1b else
                f"overlap pass, {cand.overlap_chunks} chunks" if cand.overlap_chunks else "not overlapped")
+        weights_moved = par.dispatcher == "alltoall" and any(lp.row_weight_bytes for lp in profile.layers)
         terms.append(Term("dispatch+combine", m * a2a_exposed / pp,
-                          f"exposed, {profile.moe_layers} MoE layers x 4 exchanges of {a2a_detail} ({how})"))
+                          f"exposed, {profile.moe_layers} MoE layers x 4 exchanges of {a2a_detail}"
+                          + (" + the routing weights' 2" if weights_moved else "") + f" ({how})"))
         if cand.overlap_chunks or cand.ep_overlap_1f1b:
             raw = sum(4 * _exchange(cluster, (lp.hidden_bytes * ep if par.dispatcher == "allgather"
                                               else lp.dispatch_bytes * times.pad) * scale / tp, ep)[0] * lp.count

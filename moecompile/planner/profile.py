@@ -34,6 +34,8 @@ from ..graph import module_path
 from ..meta import Role
 from .arch import _fields, load_model_config, moe_arch, named_configs  # noqa: F401  (named_configs re-exported)
 
+mc = torch.ops.moecompile
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _MOE_ROLES = {r.value for r in (Role.ROUTER, Role.ROUTE, Role.PERMUTE, Role.DISPATCH, Role.EXPERTS, Role.EXPERT_ACT,
                                 Role.COMBINE_COMM, Role.COMBINE, Role.SHARED_EXPERTS, Role.ROUTER_LOSS)}
@@ -66,6 +68,7 @@ class LayerProfile:
     dense_params: float = 0.0  # elements, per layer
     expert_params: float = 0.0
     activation_bytes: float = 0.0  # kept for backward, per layer, one micro-batch (memory estimator)
+    row_weight_bytes: float = 0.0  # per-row routing weights the experts' glu reads (apply_weights: activation)
 
     @property
     def flops(self) -> float:
@@ -297,15 +300,22 @@ def _params(result: Any) -> dict[int | None, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def _moe_bytes(pairs: list[tuple[fx.Node, NodeCost]]) -> tuple[float, float]:
-    """(routed rows x_NH bytes, hidden x_TH bytes) of the permute node of an MoE layer."""
+def _moe_bytes(pairs: list[tuple[fx.Node, NodeCost]]) -> tuple[float, float, float]:
+    """(routed rows x_NH, hidden x_TH, per-row routing weights w_N) bytes of an MoE layer.
+
+    w_N is 0 unless the experts' glu applies the weights (``experts.apply_weights: activation``):
+    then expert parallelism moves it with the rows, one more exchange each way.
+    """
+    rows = hidden = weights = 0.0
     for node, _ in pairs:
-        if node.meta.get("moe", {}).get("role") == Role.PERMUTE and "permute" in _op_name(node):
+        if node.meta.get("moe", {}).get("role") == Role.PERMUTE and "permute" in _op_name(node) and not rows:
             val = node.meta.get("val")
-            rows = costs.tensor_bytes(val[0] if isinstance(val, (tuple, list)) else val) or 0
+            rows = float(costs.tensor_bytes(val[0] if isinstance(val, (tuple, list)) else val) or 0)
             x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
-            return float(rows), float(costs.tensor_bytes(x) or 0)
-    return 0.0, 0.0
+            hidden = float(costs.tensor_bytes(x) or 0)
+        elif node.target is mc.glu.default and len(node.args) > 2 and isinstance(node.args[2], fx.Node):
+            weights = float(costs.tensor_bytes(node.args[2].meta.get("val")) or 0)
+    return rows, hidden, weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,11 +406,11 @@ def _profile_cached(key: str, seq_len: int, micro_batch: int, sections: str) -> 
                                  micro_batch)
         base_act, moe_act = 2 * m1.total - m2.total, m2.total - m1.total
         traced = "1 and 2 MoE layers"
-    rows, hidden = _moe_bytes(g1.get(0, []))
+    rows, hidden, weights = _moe_bytes(g1.get(0, []))
     base = LayerProfile("base", 1, _costs_of(g1.get(None, [])), hidden_bytes=hidden,
                         dense_params=par1.get(None, (0, 0))[0], activation_bytes=max(0.0, base_act))
     moe = LayerProfile("moe", arch.n_moe, _costs_of(g1.get(0, [])), rows, hidden, *par1.get(0, (0.0, 0.0)),
-                       activation_bytes=moe_act)
+                       activation_bytes=moe_act, row_weight_bytes=weights)
     layers = [base, moe]
     if arch.n_dense:
         no_experts = {**plan, "experts": {**plan["experts"], "layers": []}}
@@ -460,9 +470,10 @@ def profile_result(result: Any) -> ModelProfile:
     layers = [LayerProfile("base", 1, whole(_costs_of(groups.pop(None, []))), dense_params=params.get(None, (0, 0))[0])]
     for idx in sorted(groups):
         pairs = groups[idx]
-        rows, hidden_b = _moe_bytes(pairs)
+        rows, hidden_b, weights = _moe_bytes(pairs)
         dp, xp = params.get(idx, (0.0, 0.0))
-        layers.append(LayerProfile("moe" if rows else "dense", 1, whole(_costs_of(pairs)), rows, hidden_b, dp, xp * ep))
+        layers.append(LayerProfile("moe" if rows else "dense", 1, whole(_costs_of(pairs)), rows, hidden_b, dp, xp * ep,
+                                   row_weight_bytes=weights))
     layers[0].hidden_bytes = max((lp.hidden_bytes for lp in layers), default=0.0)
     mem = measure_activations(result, int(micro_batch))
     layers[0].activation_bytes = mem.total  # a whole-graph figure, kept on the base
