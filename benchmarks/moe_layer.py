@@ -7,6 +7,7 @@ several rounds, and reports the median over rounds with the min..max spread.
 
     python benchmarks/moe_layer.py --quick                 # smoke run, small shapes
     python benchmarks/moe_layer.py --configs base --dtypes fp32 bf16 --rounds 3
+    python benchmarks/moe_layer.py --configs fine --interleave --impls moecompile hf_qwen3_grouped_mm  # A/B in one process
     python benchmarks/moe_layer.py --worker moecompile --config base --dtype bf16   # one JSON line
 
 FLOPs counted for every row are the useful ones: router + expert GEMMs of T*k routed tokens,
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -88,14 +90,10 @@ def gemm_ceiling(c: dict, dtype: torch.dtype, warmup: int, iters: int) -> dict:
     return {"gflops": max(best.values()), "by_backend": best}
 
 
-def worker(impl: str, config: str, dt: str, threads: int, warmup: int, iters: int) -> dict:
-    torch.set_num_threads(threads)
+def _prepare(impl: str, config: str, dt: str, threads: int, w) -> tuple[dict, Callable[[], torch.Tensor] | None]:
+    """The record of one implementation with its errors against float64 filled in, and its timed step."""
     c, dtype = CONFIGS[config], DTYPES[dt]
     rec = {"impl": impl, "config": config, "dtype": dt, "threads": threads, **c}
-    if impl == LIMIT:
-        rec.update(gemm_ceiling(c, dtype, warmup, iters))
-        return rec
-    w = make_weights(c["H"], c["F"], c["E"], c["T"])
     try:
         # torch grouped_mm has no float64 kernel: the reference of a grouped_mm peer is its eager twin
         ref_impl = impl.replace("_grouped_mm", "_eager") if impl.endswith("_grouped_mm") else impl
@@ -104,11 +102,12 @@ def worker(impl: str, config: str, dt: str, threads: int, warmup: int, iters: in
         y64 = fn64(x64)
         y64.backward(w.grad_out)
         ref_y, ref_g = y64.detach(), x64.grad.detach()
+        del fn64, x64, y64
         fn, params = BUILDERS[impl](w, c["k"], dtype)
     except Unavailable as e:
-        return {**rec, "error": str(e)}
+        return {**rec, "error": str(e)}, None
     except Exception as e:  # noqa: BLE001 - a peer that fails to build is reported, not dropped
-        return {**rec, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+        return {**rec, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}, None
     x = w.x.to(dtype).requires_grad_(True)
     g = w.grad_out.to(dtype)
 
@@ -123,24 +122,51 @@ def worker(impl: str, config: str, dt: str, threads: int, warmup: int, iters: in
     y = step()
     rec["rel_err_out"] = _rel(y.detach(), ref_y)
     rec["rel_err_dx"] = _rel(x.grad, ref_g)
-    times = _time(step, warmup, iters)
+    return rec, step
+
+
+def _record_times(rec: dict, times: list[float]) -> dict:
     rec["ms"] = 1e3 * statistics.median(times)
     rec["ms_all"] = [1e3 * t for t in times]
     rec["ms_min"], rec["ms_max"] = 1e3 * min(times), 1e3 * max(times)  # per-iteration spread of one round
     return rec
 
 
-def _spawn(impl: str, config: str, dt: str, a: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--worker", impl, "--config", config, "--dtype", dt, "--threads",
-           str(a.threads), "--warmup", str(a.warmup), "--iters", str(a.iters)]
+def worker(impls: list[str], config: str, dt: str, threads: int, warmup: int, iters: int) -> list[dict]:
+    """Time ``impls`` in this process; several take their iterations in turn, so drift hits them alike."""
+    torch.set_num_threads(threads)
+    c, dtype = CONFIGS[config], DTYPES[dt]
+    if impls == [LIMIT]:
+        return [{"impl": LIMIT, "config": config, "dtype": dt, "threads": threads, **c,
+                 **gemm_ceiling(c, dtype, warmup, iters)}]
+    w = make_weights(c["H"], c["F"], c["E"], c["T"])
+    prepared = [_prepare(impl, config, dt, threads, w) for impl in impls]
+    steps = [(rec, step) for rec, step in prepared if step is not None]
+    times: dict[str, list[float]] = {rec["impl"]: [] for rec, _ in steps}
+    for it in range(warmup + iters):
+        for rec, step in steps:
+            start = time.perf_counter()
+            step()
+            if it >= warmup:
+                times[rec["impl"]].append(time.perf_counter() - start)
+    return [_record_times(rec, times[rec["impl"]]) if step is not None else rec for rec, step in prepared]
+
+
+def _spawn(impls: list[str], config: str, dt: str, a: argparse.Namespace) -> list[dict]:
+    cmd = [sys.executable, __file__, "--worker", *impls, "--config", config, "--dtype", dt, "--threads",
+           str(a.threads), "--warmup", str(a.warmup), "--iters", str(a.iters), "--host-memory", a.host_memory]
+
+    def failed(why: str) -> list[dict]:
+        return [{"impl": impl, "config": config, "dtype": dt, "error": why} for impl in impls]
+
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout * len(impls))
     except subprocess.TimeoutExpired:
-        return {"impl": impl, "config": config, "dtype": dt, "error": f"timed out after {a.timeout}s"}
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+        return failed(f"timed out after {a.timeout * len(impls)}s")
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("[")]
     if p.returncode != 0 or not lines:
         tail = (p.stderr.strip().splitlines() or ["no output"])[-1][:200]
-        return {"impl": impl, "config": config, "dtype": dt, "error": f"worker exit {p.returncode}: {tail}"}
+        return failed(f"worker exit {p.returncode}: {tail}")
     return json.loads(lines[-1])
 
 
@@ -244,28 +270,40 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per worker")
     ap.add_argument("--out", default="benchmarks/results/moe_layer")
-    ap.add_argument("--worker", choices=list(BUILDERS) + [LIMIT])
+    ap.add_argument("--host-memory", choices=["system", "keep"], default="system",
+                    help="keep: every worker calls moecompile.host_memory.keep_freed_memory() first (what "
+                         "build_train_step does on CPU), so large tensors reuse freed heap instead of page-faulting")
+    ap.add_argument("--interleave", action="store_true",
+                    help="one worker per round runs every implementation, their iterations in turn: drift of a "
+                         "shared machine hits them alike (they share the process's memory and caches)")
+    ap.add_argument("--worker", nargs="+", choices=list(BUILDERS) + [LIMIT])
     ap.add_argument("--config", choices=list(CONFIGS))
     ap.add_argument("--dtype", choices=list(DTYPES))
     a = ap.parse_args()
     if a.worker:
+        if a.host_memory == "keep":
+            from moecompile.host_memory import keep_freed_memory
+
+            keep_freed_memory()
         print(json.dumps(worker(a.worker, a.config, a.dtype, a.threads, a.warmup, a.iters)))
         return
     if a.quick:
         a.configs, a.rounds, a.warmup, a.iters = ["quick"], 1, 1, 2
     print(f"torch {torch.__version__}, {a.threads} threads, {os.cpu_count()} cpus, {a.rounds} round(s) of "
-          f"{a.warmup} warm-up + {a.iters} timed iterations per worker")
+          f"{a.warmup} warm-up + {a.iters} timed iterations per worker, host memory: {a.host_memory}"
+          + (", implementations interleaved in one worker" if a.interleave else ""))
     rounds = []
     for rnd in range(a.rounds):
         res = []
         for config in a.configs:
             for dt in a.dtypes:
-                for impl in [LIMIT] + a.impls:
-                    r = _spawn(impl, config, dt, a)
-                    res.append(r)
-                    msg = f"{r['ms']:.1f} ms" if "ms" in r else (f"{r['gflops']:.0f} GFLOP/s" if "gflops" in r
-                                                                 else f"not run: {r.get('error')}")
-                    print(f"  round {rnd + 1}: {config} {dt} {impl}: {msg}", file=sys.stderr, flush=True)
+                workers = [[LIMIT]] + ([a.impls] if a.interleave else [[impl] for impl in a.impls])
+                for impls in workers:
+                    for r in _spawn(impls, config, dt, a):
+                        res.append(r)
+                        msg = f"{r['ms']:.1f} ms" if "ms" in r else (f"{r['gflops']:.0f} GFLOP/s" if "gflops" in r
+                                                                     else f"not run: {r.get('error')}")
+                        print(f"  round {rnd + 1}: {config} {dt} {r['impl']}: {msg}", file=sys.stderr, flush=True)
         rounds.append(res)
     rows = summarize(rounds)
     print(report(rows))
