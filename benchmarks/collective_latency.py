@@ -5,7 +5,9 @@
 Two (or --world) spawned CPU ranks, one thread each, as `moecompile train` runs them. Mean microseconds
 per call of `all_to_all_single`, `all_reduce` and a send/recv round trip, at 16 floats (latency only)
 and at the main job's dispatch size (256 tokens x top-2 x H=256 fp32 = 512 KiB per rank), next to a
-plain TCP loopback round trip between two processes: the transport's own floor.
+plain TCP loopback round trip between two processes: the transport's own floor. Then the main job's
+step itself (tiny-llama, 8 experts top-2, ep = world, batch 4 x 64 bytes per rank, as `moecompile
+train` runs it): its collectives per step and the time its waits take, by torch.profiler.
 """
 from __future__ import annotations
 
@@ -51,6 +53,33 @@ def collectives(rank: int, world: int, calls: int) -> dict[str, float]:
     return out
 
 
+def ep_step(rank: int, world: int, steps: int) -> dict[str, float]:
+    """Per step of the main job's shape: ms, collective calls, ms spent inside the waits (self time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from moecompile.bench import BenchSpec, _build, _tokens
+    from moecompile.host_memory import keep_freed_memory
+
+    keep_freed_memory()
+    spec = BenchSpec(model="tiny-llama", batch=4 * world, seq=64)
+    x, y = _tokens(spec, rank, world)
+    step = _build(f"moecompile_ep{world}", spec, world, x)
+    for _ in range(3):
+        step(x, y)
+    torch.distributed.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(x, y)
+        elapsed = time.perf_counter() - start
+    events = prof.key_averages()
+    calls = {kind: sum(e.count for e in events if e.key == f"c10d::{kind}_") / steps
+             for kind in ("alltoall_base", "allreduce")}
+    wait_us = sum(e.self_cpu_time_total for e in events if "wait_tensor" in e.key)
+    return {"ms": 1e3 * elapsed / steps, **calls, "wait_ms": wait_us / 1e3 / steps}
+
+
 def tcp_round_trip_us(calls: int) -> float:
     """Two processes bouncing 16 bytes over 127.0.0.1 with TCP_NODELAY."""
     server = socket.create_server(("127.0.0.1", 0))
@@ -74,12 +103,19 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--calls", type=int, default=200)
+    p.add_argument("--step-count", type=int, default=10, help="profiled steps of the main job (default 10)")
     args = p.parse_args()
     ranks = run_ranks(collectives, args.world, (args.calls,), threads=1)
     print(f"gloo, {args.world} ranks x 1 thread, mean of {args.calls} calls (slowest rank)")
     for key in ranks[0]:
         print(f"  {key}  {max(r[key] for r in ranks):8.0f} us")
     print(f"  tcp loopback rtt   16 bytes   {tcp_round_trip_us(args.calls):8.0f} us  (python sockets, no torch)")
+    if args.world > 1:
+        steps = run_ranks(ep_step, args.world, (args.step_count,), threads=1)
+        slow = max(steps, key=lambda r: r["ms"])
+        print(f"main job's step (tiny-llama E8 top-2, ep={args.world}, 256 tokens per rank, {args.step_count} steps "
+              f"under torch.profiler, slowest rank): {slow['ms']:.1f} ms a step, {slow['alltoall_base']:.0f} "
+              f"all-to-alls + {slow['allreduce']:.0f} all-reduces, {slow['wait_ms']:.1f} ms inside collective waits")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@
 PyTorch's CPU allocator is plain malloc. glibc serves every request above its mmap threshold
 (at most 32 MiB) with fresh mmap'd pages and unmaps them on free, so each large activation or
 gradient of a training step is faulted in page by page when first written, every step. On the
-2-core VM this project runs on, writing a fresh 32 MiB tensor costs 9.5 ms against 1.1 ms for one
+2-core VM this project runs on, writing a fresh 32 MiB tensor costs 10.7 ms against 0.8 ms for one
 that reuses freed heap (``python benchmarks/host_memory.py``), and a whole MoE layer's forward
-and backward at the fine shape ran ~1.3-1.6x faster with the heap kept (every implementation
-alike: the peers allocate too).
+and backward at the fine shape ran 1.4-1.8x faster with the heap kept (``benchmarks/moe_layer.py
+--host-memory``; every implementation alike: the peers allocate too).
 
 ``keep_freed_memory()`` turns glibc's mmap path and heap trimming off (``mallopt``), which is what
 ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...`` in the environment would do at start-up, and
