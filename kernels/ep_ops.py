@@ -1,4 +1,7 @@
-"""`moecompile::sort_chunks` — regroup rows laid out in an [A, B] grid of blocks, B-major.
+"""Expert parallelism's row ops: `sort_chunks` regroups rows, `pack_row_weights` lets a per-row
+weight ride along in the rows' own all-to-all.
+
+`moecompile::sort_chunks` — regroup rows laid out in an [A, B] grid of blocks, B-major.
 
 Legend: N rows, H hidden, A x B blocks; block (a, b) holds counts_AB[a, b] rows.
 
@@ -11,6 +14,13 @@ them expert-major. The inverse is the same op on the transposed counts:
     sort_chunks(that, counts_AB.T)   = x
 
 No host sync: every index is computed on the device from counts_AB.
+
+`moecompile::pack_row_weights(x_NH, w_N) -> x_NW` appends each row's weight as column H
+(W = H + 1) and `unpack_row_weights(x_NW) -> (x_NH, w_N)` splits it off again, both as
+fresh contiguous tensors (the expert GEMMs want aligned rows). Their backwards are each
+other, so the gradient of the weights returns in the same column of the same exchange:
+one collective each way instead of two, for one copy of the rows per op. The weight keeps
+the rows' dtype; packing a weight of another dtype is an error (it would round).
 """
 import torch
 from torch import Tensor
@@ -86,3 +96,84 @@ _sort_chunks_op.register_autograd(_backward, setup_context=_setup_context)
 def sort_chunks(x_NH: Tensor, counts_AB: Tensor) -> Tensor:
     """Rows in blocks (a, b), a-major, regrouped b-major; the inverse is `sort_chunks(y, counts_AB.T)`."""
     return torch.ops.moecompile.sort_chunks(x_NH, counts_AB)
+
+
+# ---------------------------------------------------------------- pack_row_weights / unpack_row_weights
+
+
+def _check_pack(x_NH: Tensor, w_N: Tensor) -> None:
+    if x_NH.dim() != 2 or w_N.dim() != 1 or w_N.shape[0] != x_NH.shape[0]:
+        raise ValueError(f"pack_row_weights: need x_NH [N, H] and w_N [N], got shapes {tuple(x_NH.shape)} "
+                         f"and {tuple(w_N.shape)}")
+    if w_N.dtype != x_NH.dtype:
+        raise ValueError(f"pack_row_weights: the weights are {w_N.dtype} but the rows {x_NH.dtype}; packing "
+                         "would round them to the rows' dtype, so send them on their own")
+
+
+def pack_row_weights_ref(x_NH: Tensor, w_N: Tensor) -> Tensor:
+    """[x_NH | w_N] as one [N, H + 1] tensor."""
+    _check_pack(x_NH, w_N)
+    return torch.cat([x_NH, w_N.unsqueeze(1)], 1)
+
+
+def unpack_row_weights_ref(x_NW: Tensor) -> tuple[Tensor, Tensor]:
+    """The rows [N, W - 1] and the last column [N], each contiguous."""
+    if x_NW.dim() != 2 or x_NW.shape[1] < 2:
+        raise ValueError(f"unpack_row_weights: need x_NW [N, H + 1] with H >= 1, got shape {tuple(x_NW.shape)}")
+    # clone, not .contiguous(): an empty slice counts as contiguous and would keep its W-wide stride
+    return x_NW[:, :-1].clone(memory_format=torch.contiguous_format), x_NW[:, -1].clone(memory_format=torch.contiguous_format)
+
+
+@library.op("moecompile::pack_row_weights")
+def _pack_op(x_NH: Tensor, w_N: Tensor) -> Tensor:
+    return pack_row_weights_ref(x_NH, w_N)
+
+
+@_pack_op.register_fake
+def _pack_fake(x_NH, w_N):
+    _check_pack(x_NH, w_N)
+    return x_NH.new_empty((x_NH.shape[0], x_NH.shape[1] + 1))
+
+
+@library.op("moecompile::unpack_row_weights")
+def _unpack_op(x_NW: Tensor) -> tuple[Tensor, Tensor]:
+    return unpack_row_weights_ref(x_NW)
+
+
+@_unpack_op.register_fake
+def _unpack_fake(x_NW):
+    if x_NW.dim() != 2 or x_NW.shape[1] < 2:
+        raise ValueError(f"unpack_row_weights: need x_NW [N, H + 1] with H >= 1, got shape {tuple(x_NW.shape)}")
+    N, W = x_NW.shape
+    return x_NW.new_empty((N, W - 1)), x_NW.new_empty((N,))
+
+
+def _pack_backward(ctx, grad_NW):
+    return torch.ops.moecompile.unpack_row_weights(grad_NW.contiguous())
+
+
+def _unpack_setup(ctx, inputs, output):
+    ctx.shape, ctx.dtype, ctx.device = inputs[0].shape, inputs[0].dtype, inputs[0].device
+
+
+def _unpack_backward(ctx, grad_NH, grad_N):
+    N, W = ctx.shape
+    if grad_NH is None:
+        grad_NH = torch.zeros((N, W - 1), dtype=ctx.dtype, device=ctx.device)
+    if grad_N is None:
+        grad_N = torch.zeros((N,), dtype=ctx.dtype, device=ctx.device)
+    return torch.ops.moecompile.pack_row_weights(grad_NH, grad_N)
+
+
+_pack_op.register_autograd(_pack_backward, setup_context=lambda ctx, inputs, output: None)
+_unpack_op.register_autograd(_unpack_backward, setup_context=_unpack_setup)
+
+
+def pack_row_weights(x_NH: Tensor, w_N: Tensor) -> Tensor:
+    """Each row's weight as an extra last column, so one exchange carries both (see the module docstring)."""
+    return torch.ops.moecompile.pack_row_weights(x_NH, w_N)
+
+
+def unpack_row_weights(x_NW: Tensor) -> tuple[Tensor, Tensor]:
+    """The inverse of `pack_row_weights`: (rows, weights)."""
+    return torch.ops.moecompile.unpack_row_weights(x_NW)

@@ -145,6 +145,8 @@ def tn_per_expert(a_NA: Tensor, b_NB: Tensor, group_sizes_E: Tensor) -> Tensor:
 def tn_one_call(a_NA: Tensor, b_NB: Tensor, group_sizes_E: Tensor) -> Tensor:
     """The same weight-gradient product as one torch._grouped_mm (zero for empty groups)."""
     A, B = a_NA.shape[1], b_NB.shape[1]
+    if a_NA.shape[0] == 0:  # as in nt_one_call: an empty tensor's strides can be anything
+        return a_NA.new_zeros((group_sizes_E.shape[0], A, B))
     m = _align(a_NA.dtype)
     offs_E = torch.cumsum(group_sizes_E, 0, dtype=torch.int32)
     a_AN = _matrix_layout(_pad_to(a_NA, 1, m).t(), m)

@@ -239,11 +239,18 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         assert world is not None
         from . import ep_allgather, ep_alltoall  # they build on Emit / Block above
 
-        dispatcher = ep_alltoall.rewrite if cfg.dispatcher == "alltoall" else ep_allgather.rewrite
-        dispatcher(gm, Emit(gm, block, world.ep_group_name), world, capacity)
+        em, weights = Emit(gm, block, world.ep_group_name), ""
+        if cfg.dispatcher == "alltoall":
+            pack = ep_alltoall.packs_weights(block, cfg)
+            if block.row_weights is not None:
+                weights = (", routing weights packed into the rows' all-to-all" if pack else
+                           ", routing weights in an all-to-all of their own")
+            ep_alltoall.rewrite(gm, em, world, capacity, pack_weights=pack)
+        else:
+            ep_allgather.rewrite(gm, em, world, capacity)
         ctx.decide(
             f"{block.layer}: experts [{lo}, {hi}) of {E} on ep rank {world.ep_rank}/{world.ep} "
-            f"(group {world.ep_ranks}), {cfg.dispatcher} dispatch, {mode}"
+            f"(group {world.ep_ranks}), {cfg.dispatcher} dispatch, {mode}{weights}"
         )
         layers.append(block.layer)
     ctx.record(ep=cfg.ep, dispatcher=cfg.dispatcher, dispatch_mode=cfg.dispatch_mode, layers=layers,

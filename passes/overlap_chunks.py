@@ -33,7 +33,7 @@ from moecompile.distributed import ALL_TO_ALL
 from moecompile.meta import MoEInfo, Role, moe
 from moecompile.outputs import add_side_outputs
 
-from .ep_alltoall import _swap_blocks, _swap_rows
+from .ep_alltoall import _swap_blocks, dispatch_rows
 from .expert_parallel import Block, Emit, row_weights_of
 
 aten, mc = torch.ops.aten, torch.ops.moecompile
@@ -204,6 +204,7 @@ def chunk_slots(gm: fx.GraphModule, layer: MoELayer, n: int, P: int, group: str)
     section, y_old = set(experts), unpermute.args[0]
     em = Emit(gm, Block(layer.name, layer.info, permute, outs, experts, unpermute), group)
     w_arrived = row_weights_of(experts)  # the glu applies the routing weights: they travel with the rows
+    packed = x_in.target is operator.getitem and x_in.args[0].target is mc.unpack_row_weights.default
     parts = []
     with em.at(unpermute):
         x_ECH = em(Role.DISPATCH, aten.view.default, outs[0], [E, C, H])
@@ -214,16 +215,17 @@ def chunk_slots(gm: fx.GraphModule, layer: MoELayer, n: int, P: int, group: str)
             Cc = hi - lo
             with _chunk(graph, c, layer.name):
                 x_c = em(Role.DISPATCH, aten.reshape.default, em(Role.DISPATCH, aten.slice.Tensor, x_ECH, 1, lo, hi), [E * Cc, H])
-                arrived = em.collective(ALL_TO_ALL, x_c, [L * Cc] * P, [L * Cc] * P, what=f"dispatch (chunk {c})")
+                w_c = None if w_arrived is None else em(
+                    Role.DISPATCH, aten.reshape.default, em(Role.DISPATCH, aten.slice.Tensor, w_EC, 1, lo, hi), [E * Cc])
+                arrived_x, arrived_w = dispatch_rows(
+                    em, x_c, w_c, H, [L * Cc] * P, [L * Cc] * P,
+                    lambda t, width: _swap_blocks(em, Role.DISPATCH, t, P, L, Cc, width), packed, f" (chunk {c})")
                 env: dict[Any, fx.Node] = {
-                    x_in: _swap_blocks(em, Role.DISPATCH, arrived, P, L, Cc, H),
+                    x_in: arrived_x,
                     sizes: em(Role.DISPATCH, aten.new_full.default, outs[2], [L], P * Cc),
                 }
                 if w_arrived is not None:
-                    w_c = em(Role.DISPATCH, aten.reshape.default, em(Role.DISPATCH, aten.slice.Tensor, w_EC, 1, lo, hi), [E * Cc])
-                    w_back = em.collective(ALL_TO_ALL, w_c, [L * Cc] * P, [L * Cc] * P,
-                                           what=f"dispatch routing weights (chunk {c})")
-                    env[w_arrived] = _swap_rows(em, Role.DISPATCH, w_back, P, L, Cc)
+                    env[w_arrived] = arrived_w
                 for m in experts:
                     new = graph.node_copy(m, lambda a: env.get(a, a) if a in env or a in section else a)
                     new.meta.pop("val", None)

@@ -60,8 +60,10 @@ def experts(**kw) -> dict:
     return {"num_experts": E, "top_k": K, "aux_loss": "aux", "z_loss_coeff": 1e-2, "router_noise": 0.05, **kw}
 
 
-def plan(ep: int, dispatcher: str = "alltoall", mode: str = "dropless", cf: float | None = None, **ekw) -> mc.Plan:
-    par = {"ep": ep, "dispatcher": dispatcher, "dispatch_mode": mode, "timeout_s": TIMEOUT_S}
+def plan(ep: int, dispatcher: str = "alltoall", mode: str = "dropless", cf: float | None = None,
+         pack: bool | None = None, **ekw) -> mc.Plan:
+    par = {"ep": ep, "dispatcher": dispatcher, "dispatch_mode": mode, "timeout_s": TIMEOUT_S,
+           "pack_routing_weights": pack}
     if cf is not None:
         par["capacity_factor"] = cf
     return mc.Plan.from_dict({"experts": experts(**ekw), "parallel": par})
@@ -201,17 +203,21 @@ def scenario_two_ranks(rank: int, world_size: int) -> dict:
     model = Stack()
     xs, targets = global_batch(world_size)
     report = {}
-    for dispatcher in ("alltoall", "allgather"):
-        errs = ep_errors(rank, model, plan(2, dispatcher), xs, targets)
-        assert_close(errs, f"{dispatcher} dropless")
+    # alltoall with the routing weights packed into the rows' exchange (null: these rows are small) and not
+    for dispatcher, pack in (("alltoall", None), ("alltoall", False), ("allgather", None)):
+        errs = ep_errors(rank, model, plan(2, dispatcher, pack=pack), xs, targets)
+        assert_close(errs, f"{dispatcher} dropless (pack {pack})")
         facts = graph_facts(errs["result"])
         # per layer: alltoall = counts + dispatch + combine (+ the routing weights where the glu applies them:
-        # layer 0, a GLU without a down bias), one host sync for the splits (2P - 1 ints)
+        # layer 0, a GLU without a down bias, unless packed), one host sync for the splits (2P - 1 ints)
         # allgather = x, idx, w gathers + one reduce-scatter, one host sync for the local row count
         in_glu = [n.meta["moe"]["moe"]["weights_at"] for n in errs["result"].module.graph.nodes
                   if "moe" in n.meta.get("moe", {})].count("activation")
         assert in_glu == 1
-        assert facts["starts"] == facts["waits"] == (2 * 3 + in_glu if dispatcher == "alltoall" else 2 * 4), facts
+        packs = [n for n in errs["result"].module.graph.nodes if n.target is torch.ops.moecompile.pack_row_weights.default]
+        assert len(packs) == (in_glu if pack is None and dispatcher == "alltoall" else 0)
+        alone = in_glu if pack is False else 0
+        assert facts["starts"] == facts["waits"] == (2 * 3 + alone if dispatcher == "alltoall" else 2 * 4), facts
         assert facts["host_syncs"] == 2 * (3 if dispatcher == "alltoall" else 1), facts
         gm = errs["result"].module
         lo, hi = rank * E // 2, (rank + 1) * E // 2
@@ -222,17 +228,19 @@ def scenario_two_ranks(rank: int, world_size: int) -> dict:
         assert len(shards) == 2 + 4  # GLU: w_gate_up, w_down; MLP: w_up, w_down, b_up, b_down
         infos = [n.meta["moe"]["moe"] for n in gm.graph.nodes if "moe" in n.meta.get("moe", {})]
         assert [i["expert_range"] for i in infos] == [(lo, hi)] * 2
-        report[f"{dispatcher}/dropless"] = {k: errs[k] for k in ("out", "loss", "grad")}
+        report[f"{dispatcher}/dropless" + ("/unpacked" if pack is False else "")] = {
+            k: errs[k] for k in ("out", "loss", "grad")}
 
     # static: capacity per source rank, C = ceil(cf * T_local * k / E); ep=1 static on each shard is the oracle
     ref_dropless, _, _ = reference(model, plan(2), xs, targets)
-    for dispatcher in ("alltoall", "allgather"):
-        p = plan(2, dispatcher, "static", cf=0.5)
+    for dispatcher, pack in (("alltoall", None), ("alltoall", False), ("allgather", None)):
+        p = plan(2, dispatcher, "static", cf=0.5, pack=pack)
         errs = ep_errors(rank, model, p, xs, targets)
-        assert_close(errs, f"{dispatcher} static")
+        assert_close(errs, f"{dispatcher} static (pack {pack})")
         facts = graph_facts(errs["result"])
         assert facts["host_syncs"] == 0, "static dispatch must not sync the host"
-        assert facts["starts"] == (2 * 2 + 1 if dispatcher == "alltoall" else 2 * 4), facts  # +1: layer 0's weights
+        alone = 1 if pack is False else 0  # layer 0's weights on their own
+        assert facts["starts"] == (2 * 2 + alone if dispatcher == "alltoall" else 2 * 4), facts
         # which tokens dropped: exactly those whose output moved away from the dropless result
         ref_static, _, _ = reference(model, p, xs, targets)
         moved_ref = (ref_static[rank] - ref_dropless[rank]).abs().amax(-1) > 1e-6
@@ -240,8 +248,9 @@ def scenario_two_ranks(rank: int, world_size: int) -> dict:
         moved_ep = (y - ref_dropless[rank]).abs().amax(-1) > 1e-6
         assert moved_ref.any(), "cf=0.5 should drop some tokens"
         assert torch.equal(moved_ep, moved_ref)
-        report[f"{dispatcher}/static"] = {k: errs[k] for k in ("out", "loss", "grad")}
-        report[f"{dispatcher}/static_dropped_tokens"] = int(moved_ep.sum())
+        unpacked = "/unpacked" if pack is False else ""
+        report[f"{dispatcher}/static{unpacked}"] = {k: errs[k] for k in ("out", "loss", "grad")}
+        report[f"{dispatcher}/static{unpacked}_dropped_tokens"] = int(moved_ep.sum())
 
     # zero tokens: layer 0 sends everything to rank 0's experts 0, 1; layer 1 to rank 1's experts 6, 7
     for dispatcher, mode, cf in (("alltoall", "dropless", None), ("allgather", "static", 1.0)):
@@ -370,7 +379,7 @@ def two_ranks() -> list:
 @pytest.mark.distributed
 def test_two_ranks_match_single_process_for_both_dispatchers_and_modes(two_ranks):
     for report in two_ranks:  # the scenario asserted <= TOL inside each rank; the figures are kept here
-        assert all(report[k]["grad"] <= TOL for k in report if k.endswith(("dropless", "static", "zero_tokens")))
+        assert all(report[k]["grad"] <= TOL for k in report if k.endswith(("dropless", "static", "unpacked", "zero_tokens")))
         assert report["allgather/static_dropped_tokens"] > 0
 
 
@@ -562,3 +571,33 @@ def test_sort_chunks_opcheck_and_gradcheck(counts, width):
 def test_sort_chunks_rejects_counts_that_do_not_cover_the_rows():
     with pytest.raises(ValueError, match="sum to N=3"):
         torch.ops.moecompile.sort_chunks(torch.randn(3, 2), torch.tensor([[1, 1]]))
+
+
+# ---------------------------------------------------------------- pack_row_weights / unpack_row_weights
+
+
+@pytest.mark.parametrize("rows, width", [(5, 3), (1, 1), (0, 4)])
+def test_pack_row_weights_round_trips_and_its_gradient_returns_in_the_same_column(rows, width):
+    pack, unpack = torch.ops.moecompile.pack_row_weights, torch.ops.moecompile.unpack_row_weights
+    x = torch.randn(rows, width, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(rows, dtype=torch.float64, requires_grad=True)
+    packed = pack(x, w)
+    assert packed.shape == (rows, width + 1) and torch.equal(packed[:, -1], w) and torch.equal(packed[:, :-1], x)
+    x2, w2 = unpack(packed)
+    assert torch.equal(x2, x) and torch.equal(w2, w)
+    # fresh, standard strides even when empty: torch._grouped_mm rejects a W-wide stride
+    assert x2.stride() == (width, 1) and w2.stride() == (1,)
+    torch.library.opcheck(pack.default, (x, w))
+    torch.library.opcheck(unpack.default, (packed.detach().requires_grad_(),))
+    if rows:
+        gx, gw = torch.randn(rows, width, dtype=torch.float64), torch.randn(rows, dtype=torch.float64)
+        torch.autograd.backward([x2, w2], [gx, gw])
+        assert torch.equal(x.grad, gx) and torch.equal(w.grad, gw)
+        assert torch.autograd.gradcheck(lambda a, b: unpack(pack(a, b) * 3.0), (x.detach().requires_grad_(), w.detach().requires_grad_()))
+
+
+def test_pack_row_weights_refuses_to_round_the_weights():
+    with pytest.raises(ValueError, match="would round them"):
+        torch.ops.moecompile.pack_row_weights(torch.randn(3, 2, dtype=torch.bfloat16), torch.rand(3))
+    with pytest.raises(ValueError, match=r"x_NH \[N, H\] and w_N \[N\]"):
+        torch.ops.moecompile.pack_row_weights(torch.randn(3, 2), torch.rand(4))

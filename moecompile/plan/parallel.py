@@ -14,6 +14,14 @@ from typing import TYPE_CHECKING, Literal, Union
 
 from .section import Section, doc_field
 
+# Where packing the routing weights into the rows' all-to-all pays (``pack_routing_weights: null``): the rows
+# a rank sends, in bytes, at most. Packing saves 2 collectives a layer and costs 3 copies of the rows
+# (pack, unpack, the gradient's pack). CPU, measured on the 2-core box: gloo's all-to-all costs ~0.55 ms
+# before it moves a byte (benchmarks/collective_latency.py) and pack + unpack forward and backward take
+# 0.24 ms at 0.25 MiB, 0.74 ms at 2 MiB and 2.1 ms at 4 MiB: even at ~2-3 MiB. CUDA, derived, not measured:
+# ~30 us an NCCL all-to-all against ~20 us of launches plus 6 passes over the rows at ~2.6 TB/s.
+PACK_WEIGHTS_MAX_BYTES = {"cpu": 2 * 2**20, "cuda": 16 * 2**20}
+
 if TYPE_CHECKING:
     from .experts import ExpertsConfig
 
@@ -40,6 +48,14 @@ class ParallelConfig(Section):
         "Static mode's capacity as a multiple of T_local*k/E (T_local: one rank's tokens); "
         "null takes experts.capacity_factor. Setting both to different values is an error.",
     )
+    pack_routing_weights: Union[bool, None] = doc_field(
+        None,
+        "alltoall, where the experts' glu applies the routing weights (experts.apply_weights: activation): "
+        "true sends each row's weight as one more column of the rows' own all-to-all (2 fewer collectives a "
+        "layer: the weights' and their gradient's; 3 more copies of the rows); false sends them on their own; "
+        "null packs where a rank sends at most 2 MiB of rows on CPU (gloo collectives cost ~0.5 ms) or 16 MiB "
+        "on CUDA. Rows and weights of different dtypes never pack (the weight would round).",
+    )
     timeout_s: float = doc_field(
         300.0,
         "Seconds a collective waits for its peers before failing with a DistributedError that names it "
@@ -53,6 +69,12 @@ class ParallelConfig(Section):
             self.fail("capacity_factor", "must be > 0, or null to use experts.capacity_factor")
         if self.timeout_s <= 0:
             self.fail("timeout_s", "must be > 0 seconds")
+
+    def packs_routing_weights(self, rows_bytes: float, device_type: str) -> bool:
+        """Whether the alltoall dispatch sends the routing weights inside the rows' exchange."""
+        if self.pack_routing_weights is not None:
+            return self.pack_routing_weights
+        return rows_bytes <= PACK_WEIGHTS_MAX_BYTES.get(device_type, PACK_WEIGHTS_MAX_BYTES["cuda"])
 
     def static_capacity_factor(self, experts: "ExpertsConfig") -> float | None:
         """The capacity factor static mode uses (None in dropless mode)."""
