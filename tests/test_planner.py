@@ -151,6 +151,18 @@ def test_routing_weights_travel_with_the_rows_under_alltoall(tiny_profile):
     assert _est(tiny_profile, cl, 1).term("dispatch+combine") == 0
 
 
+def test_packed_routing_weights_save_the_latency_of_their_own_exchange(tiny_profile):
+    """Small rows: the weights as a column of the dispatch cost bytes and copies, not two more collectives."""
+    cl = tiny_cluster(8)
+    plan = mc.Plan.from_dict({"experts": tiny_profile.plan.experts.to_dict(), "parallel": {"ep": 8}})
+    by_pack = {pack: estimate(tiny_profile, cl, Candidate(plan.replace(parallel={"ep": 8, "pack_routing_weights": pack})),
+                              cl.gpus) for pack in (None, True, False)}
+    assert by_pack[None].term("dispatch+combine") == by_pack[True].term("dispatch+combine")  # tiny rows pack
+    assert by_pack[True].term("dispatch+combine") < by_pack[False].term("dispatch+combine")
+    detail = {k: next(t.detail for t in e.terms if t.name == "dispatch+combine") for k, e in by_pack.items()}
+    assert "packed into the dispatch" in detail[True] and "routing weights' 2" in detail[False]
+
+
 def test_explain_prints_every_term(tiny_profile):
     from moecompile.planner.explain import explain
 

@@ -203,6 +203,11 @@ class _Times:
 # --- communication --------------------------------------------------------------------------------
 
 
+def _packs_weights(par: Any, cluster: Cluster, rows_bytes: float) -> bool:
+    """The expert_parallel pass's rule (parallel.pack_routing_weights), on this cluster's device kind."""
+    return par.packs_routing_weights(rows_bytes, "cpu" if cluster.name.startswith("cpu") else "cuda")
+
+
 def _exchange(cluster: Cluster, payload: float, size: int, stride: int = 1) -> tuple[float, str]:
     """An all-to-all-like exchange in a group: each rank sends ``payload`` x (size-1)/size to its peers."""
     if size <= 1 or payload <= 0:
@@ -251,7 +256,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
 
     fwd = rc = 0.0
     a2a_exposed = tp_comm = 0.0
-    a2a_detail = ""
+    a2a_detail = weights_how = ""
     par = cand.plan.parallel
     for lp in profile.layers:
         lt = times.layer(lp)
@@ -266,7 +271,13 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
             lat = cluster.link(cluster.span(ep)).latency
             count_x = lat if par.dispatch_mode == "dropless" and par.dispatcher == "alltoall" else 0.0
             if par.dispatcher == "alltoall" and lp.row_weight_bytes:  # each row's weight goes, its gradient returns
-                count_x += 2 * _exchange(cluster, lp.row_weight_bytes * scale / tp * times.pad, ep)[0]
+                w_bytes = lp.row_weight_bytes * scale / tp * times.pad
+                weights_how = " + the routing weights' 2"
+                if _packs_weights(par, cluster, payload):  # a column of the rows' exchange: bytes, and 3 copies
+                    weights_how = " + the routing weights, packed into the dispatch (3 copies of the rows)"
+                    count_x += 2 * w_bytes / cluster.link(cluster.span(ep)).bandwidth + 3 * 2 * payload / cluster.memory_bandwidth
+                else:
+                    count_x += 2 * _exchange(cluster, w_bytes, ep)[0]
             if cand.ep_overlap_1f1b:
                 layer_fb = lt["total"] * (1 + BACKWARD_FACTOR)
                 exposed = max(0.0, 4 * t - layer_fb) + count_x
@@ -300,10 +311,9 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
     if ep > 1:
         how = ("1F1B: hidden behind the other micro-batch's layer" if cand.ep_overlap_1f1b else
                f"overlap pass, {cand.overlap_chunks} chunks" if cand.overlap_chunks else "not overlapped")
-        weights_moved = par.dispatcher == "alltoall" and any(lp.row_weight_bytes for lp in profile.layers)
         terms.append(Term("dispatch+combine", m * a2a_exposed / pp,
                           f"exposed, {profile.moe_layers} MoE layers x 4 exchanges of {a2a_detail}"
-                          + (" + the routing weights' 2" if weights_moved else "") + f" ({how})"))
+                          + weights_how + f" ({how})"))
         if cand.overlap_chunks or cand.ep_overlap_1f1b:
             raw = sum(4 * _exchange(cluster, (lp.hidden_bytes * ep if par.dispatcher == "allgather"
                                               else lp.dispatch_bytes * times.pad) * scale / tp, ep)[0] * lp.count
