@@ -116,10 +116,14 @@ def pack_row_weights_ref(x_NH: Tensor, w_N: Tensor) -> Tensor:
     return torch.cat([x_NH, w_N.unsqueeze(1)], 1)
 
 
-def unpack_row_weights_ref(x_NW: Tensor) -> tuple[Tensor, Tensor]:
-    """The rows [N, W - 1] and the last column [N], each contiguous."""
+def _check_unpack(x_NW: Tensor) -> None:
     if x_NW.dim() != 2 or x_NW.shape[1] < 2:
         raise ValueError(f"unpack_row_weights: need x_NW [N, H + 1] with H >= 1, got shape {tuple(x_NW.shape)}")
+
+
+def unpack_row_weights_ref(x_NW: Tensor) -> tuple[Tensor, Tensor]:
+    """The rows [N, W - 1] and the last column [N], each contiguous."""
+    _check_unpack(x_NW)
     # clone, not .contiguous(): an empty slice counts as contiguous and would keep its W-wide stride
     return x_NW[:, :-1].clone(memory_format=torch.contiguous_format), x_NW[:, -1].clone(memory_format=torch.contiguous_format)
 
@@ -142,8 +146,7 @@ def _unpack_op(x_NW: Tensor) -> tuple[Tensor, Tensor]:
 
 @_unpack_op.register_fake
 def _unpack_fake(x_NW):
-    if x_NW.dim() != 2 or x_NW.shape[1] < 2:
-        raise ValueError(f"unpack_row_weights: need x_NW [N, H + 1] with H >= 1, got shape {tuple(x_NW.shape)}")
+    _check_unpack(x_NW)
     N, W = x_NW.shape
     return x_NW.new_empty((N, W - 1)), x_NW.new_empty((N,))
 
