@@ -10,7 +10,9 @@ After, ``alltoall`` (rank keeps experts [lo, hi), L = E/ep of them; M rows arriv
 
     counts = wait(all_to_all_single(sizes_E, [L]*ep, [L]*ep))       # dropless only: rows per (source, expert)
     send, recv = host splits                                          # dropless only: the one host sync
-    x_MH = wait(all_to_all_single(x_NH, recv, send))                  # dispatch
+    x_MH = wait(all_to_all_single(x_NH, recv, send))                  # dispatch (with each row's routing
+                                                                      # weight as column H where the glu
+                                                                      # applies it: ep_alltoall.dispatch_rows)
     y_MH = sort_chunks(experts(sort_chunks(x_MH, counts), counts.sum(0)), counts.T)
     y_NH = wait(all_to_all_single(y_MH, send, recv))                  # combine, back on the source rank
     y_TH = moecompile.unpermute(y_NH, row_src_N, w_TK, T)
