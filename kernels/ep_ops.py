@@ -155,21 +155,13 @@ def _pack_backward(ctx, grad_NW):
     return torch.ops.moecompile.unpack_row_weights(grad_NW.contiguous())
 
 
-def _unpack_setup(ctx, inputs, output):
-    ctx.shape, ctx.dtype, ctx.device = inputs[0].shape, inputs[0].dtype, inputs[0].device
-
-
 def _unpack_backward(ctx, grad_NH, grad_N):
-    N, W = ctx.shape
-    if grad_NH is None:
-        grad_NH = torch.zeros((N, W - 1), dtype=ctx.dtype, device=ctx.device)
-    if grad_N is None:
-        grad_N = torch.zeros((N,), dtype=ctx.dtype, device=ctx.device)
+    # an unused output's gradient arrives as zeros (autograd materialises it), so both are tensors
     return torch.ops.moecompile.pack_row_weights(grad_NH, grad_N)
 
 
 _pack_op.register_autograd(_pack_backward, setup_context=lambda ctx, inputs, output: None)
-_unpack_op.register_autograd(_unpack_backward, setup_context=_unpack_setup)
+_unpack_op.register_autograd(_unpack_backward, setup_context=lambda ctx, inputs, output: None)
 
 
 def pack_row_weights(x_NH: Tensor, w_N: Tensor) -> Tensor:
