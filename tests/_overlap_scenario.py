@@ -44,10 +44,12 @@ class Stack(nn.Module):
         return self.norm(x)
 
 
-def plan(ep: int, overlap: dict | None = None, mode: str = "dropless", dispatcher: str = "alltoall") -> dict:
+def plan(ep: int, overlap: dict | None = None, mode: str = "dropless", dispatcher: str = "alltoall",
+         pack: bool | None = None) -> dict:
     experts = {"num_experts": E, "top_k": K, "shared_experts": 1, "aux_loss": "aux", "z_loss_coeff": 1e-2,
                "router_noise": 0.05}
-    parallel = {"ep": ep, "dispatcher": dispatcher, "dispatch_mode": mode, "timeout_s": 30.0}
+    parallel = {"ep": ep, "dispatcher": dispatcher, "dispatch_mode": mode, "timeout_s": 30.0,
+                "pack_routing_weights": pack}
     if mode == "static":
         parallel["capacity_factor"] = 1.0
     out = {"experts": experts, "parallel": parallel}
@@ -109,7 +111,9 @@ def scenario(rank: int, world_size: int, cases: list[tuple[str, dict]], train: b
         results[name], runs[name] = result, _run(result, x, target, log=True)
         rec = result.record("overlap")
         report[name] = {"decisions": rec.decisions, "data": rec.data, "legal": schedule.check_schedule(result.module.graph),
-                        "backward_ops": [o for o in runs[name]["backward_ops"] if o in _WATCHED]}
+                        "backward_ops": [o for o in runs[name]["backward_ops"] if o in _WATCHED],
+                        "packs": sum(n.target is torch.ops.moecompile.pack_row_weights.default
+                                     for n in result.module.graph.nodes)}
     base = {}
     for name, _p in cases:
         ref = base.setdefault(_key(name), runs[name])

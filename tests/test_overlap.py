@@ -150,9 +150,11 @@ EP2_CASES = [
     ("dropless/N=1", sc.plan(2, {"chunks": 1})),
     ("dropless/N=2", sc.plan(2, {"chunks": 2})),
     ("dropless/N=3", sc.plan(2, {"chunks": 3, "shared_expert": False})),
+    ("dropless/N=2 unpacked", sc.plan(2, {"chunks": 2}, pack=False)),  # the weights' own exchanges, chunked
     ("dropless/auto", sc.plan(2, {"chunks": "auto"})),
     ("static/off", sc.plan(2, mode="static")),
     ("static/N=2", sc.plan(2, {"chunks": 2}, mode="static")),
+    ("static/N=2 unpacked", sc.plan(2, {"chunks": 2}, mode="static", pack=False)),
 ]
 EP4_CASES = [
     ("dropless/off", sc.plan(4)),
@@ -178,6 +180,13 @@ def _assert_same_numerics(reports: list[dict], cases: list) -> None:
 @pytest.mark.distributed
 def test_ep2_outputs_grads_and_load_match_the_serial_graph(ep2):
     _assert_same_numerics(ep2, EP2_CASES)
+
+
+@pytest.mark.distributed
+def test_ep2_chunks_pack_the_routing_weights_per_chunk_unless_the_plan_says_not(ep2):
+    packs = {name: ep2[0][name]["packs"] for name, _p in EP2_CASES}
+    assert packs["dropless/N=2"] == packs["static/N=2"] == 2 * 2, packs  # 2 layers x 2 chunks
+    assert packs["dropless/N=2 unpacked"] == packs["static/N=2 unpacked"] == 0, packs
 
 
 @pytest.mark.distributed
