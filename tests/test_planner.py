@@ -163,6 +163,38 @@ def test_packed_routing_weights_save_the_latency_of_their_own_exchange(tiny_prof
     assert "packed into the dispatch" in detail[True] and "routing weights' 2" in detail[False]
 
 
+def test_the_search_prices_where_the_routing_weights_go():
+    """Under alltoall at ep > 1 both placements are priced: combine sends no weights, but keeps the rows."""
+    report = plan_for("tiny-llama", tiny_cluster(8), global_batch=8, seq_len=8, experts=MANY,
+                      space=SearchSpace(expert_parallel=True, micro_batches=(1,)))
+    ests = report.ranked + [e for e, _ in report.rejected]
+    by = {(e.candidate.describe().replace(" weights@combine", ""), e.candidate.plan.experts.apply_weights): e
+          for e in ests}
+    for (what, where), e in by.items():
+        c = e.candidate
+        alltoall = c.ep > 1 and c.plan.parallel.dispatcher == "alltoall"
+        assert where == "auto" or (where == "combine" and alltoall), what  # elsewhere only the cheaper memory
+        if where == "combine":
+            act = by[(what, "auto")]
+            assert e.term("dispatch+combine") < act.term("dispatch+combine"), what
+            rows = report.profile.layers[1].dispatch_bytes * report.profile.moe_layers  # [N, H] kept per layer
+            assert 0.5 * rows < e.memory_bytes - act.memory_bytes <= rows, what  # less the weights glu kept
+    assert sum(w == "combine" for _, w in by) == sum(w == "auto" and "alltoall" in d for d, w in by) > 0
+
+
+def test_without_a_glu_to_take_them_the_weights_are_not_searched(tiny_profile):
+    """A graph whose glu takes no weights (non-GLU or biased experts): auto is combine already."""
+    from moecompile.planner import search
+
+    without = dataclasses.replace(tiny_profile, layers=[dataclasses.replace(lp, row_weight_bytes=0.0)
+                                                        for lp in tiny_profile.layers])
+    space = SearchSpace(expert_parallel=True, micro_batches=(1,))
+    placements = lambda prof: {e.candidate.plan.experts.apply_weights  # noqa: E731
+                               for e in search(lambda c: prof, MANY, tiny_cluster(8), 8, space, baseline=prof).ranked}
+    assert placements(tiny_profile) == {"auto", "combine"}
+    assert placements(without) == {"auto"}
+
+
 def test_explain_prints_every_term(tiny_profile):
     from moecompile.planner.explain import explain
 

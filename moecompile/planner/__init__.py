@@ -76,8 +76,9 @@ def plan_for(model_or_config: Any, cluster: Cluster | str, *, global_batch: int,
 
 
 def _pin(space: SearchSpace, plan: Any, micro_batch: int) -> SearchSpace:
-    """A converted graph has its recompute / fp8 / micro-batch fixed: search only around them."""
+    """A converted graph has its recompute / fp8 / micro-batch / weight placement fixed: search only around them."""
     import dataclasses
 
     return dataclasses.replace(space, recompute_sets=(tuple(plan.recompute.modules),),
-                               fp8_recipes=(plan.fp8.recipe,), micro_batches=(micro_batch,))
+                               fp8_recipes=(plan.fp8.recipe,), micro_batches=(micro_batch,),
+                               weight_placements=(plan.experts.apply_weights,))

@@ -81,6 +81,8 @@ class Candidate:
         if self.ep_overlap_1f1b:
             parts.append("1f1b-a2a-overlap")
         mods = list(p.recompute.modules) + [m for m in self.assume_recompute if m not in p.recompute.modules]
+        if p.parallel.ep > 1 and p.experts.apply_weights == "combine":
+            parts.append("weights@combine")
         if mods:
             parts.append("recompute " + ",".join(mods))
         if p.fp8.enabled:

@@ -20,11 +20,12 @@ def table(report: Any, top: int = 5) -> str:
     lines = [f"{report.profile.summary()}",
              f"cluster: {report.cluster.describe()}",
              f"global batch {report.global_batch} x seq {report.profile.seq_len}", ""]
-    head = f"{'#':>2}  {'plan':<58} {'step':>10} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>11} {'mem/GPU':>9}"
+    w = max([58] + [len(e.candidate.describe()) for e in report.ranked[:top]])
+    head = f"{'#':>2}  {'plan':<{w}} {'step':>10} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>11} {'mem/GPU':>9}"
     if report.ranked:
         lines += ["plans that fit (fastest first):", head]
         for i, e in enumerate(report.ranked[:top], 1):
-            lines.append(f"{i:>2}  {e.candidate.describe():<58} {_ms(e.step_s):>10} {e.tokens_per_s_per_gpu:>10,.0f} "
+            lines.append(f"{i:>2}  {e.candidate.describe():<{w}} {_ms(e.step_s):>10} {e.tokens_per_s_per_gpu:>10,.0f} "
                          f"{e.tflops_per_gpu:>11,.1f} {human(e.memory_bytes, 'B', 1024):>9}")
         lines.append("")
         lines.append("breakdown of #1: " + ", ".join(f"{t.name} {_ms(t.value)}" for t in report.ranked[0].terms

@@ -38,6 +38,10 @@ class SearchSpace:
     recompute_sets: tuple[tuple[str, ...], ...] = ((),)
     fp8_recipes: tuple[str, ...] = ("none",)
     micro_batches: tuple[int, ...] = (1, 2, 4)
+    # experts.apply_weights tried under the alltoall dispatcher at ep > 1, the one place they differ in
+    # time (activation sends each row's weight with it, combine keeps an [N, H] more for backward);
+    # elsewhere "auto" only: equal time, and activation keeps less
+    weight_placements: tuple[str, ...] = ("auto", "combine")
     notes: tuple[str, ...] = ()
 
     @classmethod
@@ -87,10 +91,12 @@ def legal_ep_sizes(num_experts: int, gpus: int) -> tuple[list[int], list[str]]:
 
 
 def _plan_dict(base: dict, experts: dict, ep: int, dispatcher: str, mode: str, cf: float | None,
-               recompute: tuple[str, ...], fp8: str, chunks: int) -> dict:
+               recompute: tuple[str, ...], fp8: str, chunks: int, weights: str | None = None) -> dict:
     """``base`` (a plan as a dict) with the searched fields set; experts.capacity_factor goes (parallel owns it)."""
     plan: dict[str, Any] = {k: dict(v) for k, v in base.items()}
     plan["experts"] = {**plan.get("experts", {}), **experts, "capacity_factor": None}
+    if weights is not None:
+        plan["experts"]["apply_weights"] = weights
     plan["parallel"] = {**plan.get("parallel", {}), "ep": ep, "dispatcher": dispatcher, "dispatch_mode": mode,
                         "capacity_factor": cf if mode == "static" else None}
     if recompute or "recompute" in plan:
@@ -127,18 +133,20 @@ def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, spa
     if overlap_chunks and "overlap" not in {f.name for f in dataclasses.fields(Plan)}:
         skipped.append(f"overlap chunks {list(overlap_chunks)}: Plan has no 'overlap' section to hold them")
         overlap_chunks = ()
+    placements = space.weight_placements if experts.get("apply_weights", "auto") == "auto" else (None,)
     out: list[Candidate] = []
     ruled_out: dict[str, list[str]] = {}
     for ep in eps:
-        comm = [("alltoall", "dropless", None)]
+        comm = [("alltoall", "dropless", None, None)]
         if ep > 1:
-            comm = [(d, m, cf) for d in space.dispatchers for m in space.dispatch_modes
-                    for cf in (space.capacity_factors if m == "static" else (None,))]
+            comm = [(d, m, cf, w) for d in space.dispatchers for m in space.dispatch_modes
+                    for cf in (space.capacity_factors if m == "static" else (None,))
+                    for w in (placements if d == "alltoall" else placements[:1])]
         chunk_opts = [0] + [c for c in overlap_chunks if ep > 1]
-        for (disp, mode, cf), chunks, rc, fp8, mb in itertools.product(
+        for (disp, mode, cf, weights), chunks, rc, fp8, mb in itertools.product(
                 comm, chunk_opts, space.recompute_sets, space.fp8_recipes, mbs):
             try:
-                plan = Plan.from_dict(_plan_dict(base or {}, experts, ep, disp, mode, cf, rc, fp8, chunks))
+                plan = Plan.from_dict(_plan_dict(base or {}, experts, ep, disp, mode, cf, rc, fp8, chunks, weights))
             except PlanError as e:  # a rule between sections rules the combination out
                 combo = f"ep={ep} {disp} {mode}" + (f" overlap x{chunks}" if chunks else "")
                 ruled_out.setdefault(str(e), [])
@@ -203,6 +211,8 @@ def search(profile_for: Callable[[Candidate], ModelProfile], experts: dict, clus
     is rejected without profiling its variant (recompute and FP8 change activations, not those).
     """
     space = space or SearchSpace.available()
+    if baseline is not None and not any(lp.row_weight_bytes for lp in baseline.layers):
+        space = dataclasses.replace(space, weight_placements=("auto",))  # auto is combine already: no glu takes them
     cands, skipped = enumerate_candidates(experts, cluster, global_batch, space, base)
     if not cands:
         raise MoecompileError("no legal plan to price: " + "; ".join(skipped[:3]))
@@ -249,16 +259,23 @@ TIE = 0.002  # step times within 0.2% are a tie: the model is not that precise
 
 
 def _rank_key(est: Estimate) -> tuple:
-    """Fastest first; on a tie prefer dropless (no drops), fewer chunks, no recompute, no FP8, larger micro-batch."""
+    """Fastest first; on a tie prefer dropless (no drops), the weights in the activation (less memory), fewer
+    chunks, no recompute, no FP8, larger micro-batch."""
     import math
 
     c = est.candidate
     return (math.floor(math.log(max(est.step_s, 1e-12)) / math.log1p(TIE)), c.plan.parallel.dispatch_mode != "dropless",
-            c.overlap_chunks, len(c.plan.recompute.modules), c.plan.fp8.enabled, -c.micro_batch, est.step_s)
+            c.plan.experts.apply_weights == "combine", c.overlap_chunks, len(c.plan.recompute.modules), c.plan.fp8.enabled, -c.micro_batch, est.step_s)
 
 
 def iter_sections(cand: Candidate) -> dict:
-    """The plan sections (besides experts/parallel) that change the graph, for profiling a candidate."""
+    """The plan sections (besides parallel) that change the graph, for profiling a candidate.
+
+    Of experts only ``apply_weights``: the rest is the model's (the profile's own experts section).
+    """
     d = cand.plan.to_dict()
-    return {k: d[k] for k in ("recompute", "fp8") if k in d and d[k] != Plan().to_dict()[k]}
+    out = {k: d[k] for k in ("recompute", "fp8") if k in d and d[k] != Plan().to_dict()[k]}
+    if cand.plan.experts.apply_weights != "auto":
+        out["experts"] = {"apply_weights": cand.plan.experts.apply_weights}
+    return out
 
