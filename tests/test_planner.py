@@ -195,6 +195,37 @@ def test_without_a_glu_to_take_them_the_weights_are_not_searched(tiny_profile):
     assert placements(without) == {"auto"}
 
 
+def _ep_profiles(rank: int, world_size: int) -> dict:
+    from moecompile.models import build_model
+    from moecompile.planner import profile_result
+    from moecompile.planner.profile import node_costs
+
+    ops = torch.ops.moecompile
+    out = {}
+    for ep in (1, world_size):
+        plan = mc.Plan.from_dict({"experts": TINY, "parallel": {"ep": ep}})
+        model, (ids,) = build_model("tiny-llama", batch_size=2, seq_len=8)
+        result = mc.convert(model, plan, (ids,))
+        gm = result.module
+        packs = sum(n.target in (ops.pack_row_weights.default, ops.unpack_row_weights.default) for n in gm.graph.nodes)
+        priced = sum(n.target in (ops.pack_row_weights.default, ops.unpack_row_weights.default)
+                     for n, _ in node_costs(gm))
+        moe = profile_result(result).layers[1]
+        out[ep] = {"rows": moe.dispatch_bytes, "weights": moe.row_weight_bytes, "packs": packs, "priced": priced}
+    return out
+
+
+@pytest.mark.distributed
+def test_an_expert_parallel_graph_profiles_its_routing_weights_like_the_single_process_one():
+    """Dropless ep=2: w_N's length is data-dependent, and its packing is the exchange's (priced there, not twice)."""
+    from _dist import spawn
+
+    by_ep = spawn(_ep_profiles, 2, timeout=180)[0]
+    assert by_ep[1]["weights"] == 2 * 8 * 2 * 4 > 0  # T*k fp32 weights
+    assert by_ep[2]["rows"] == by_ep[1]["rows"] and by_ep[2]["weights"] == by_ep[1]["weights"]
+    assert by_ep[2]["packs"] == 2 * 2 and by_ep[2]["priced"] == 0  # pack + unpack, 2 layers
+
+
 def test_explain_prints_every_term(tiny_profile):
     from moecompile.planner.explain import explain
 

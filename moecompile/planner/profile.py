@@ -39,7 +39,9 @@ mc = torch.ops.moecompile
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 _MOE_ROLES = {r.value for r in (Role.ROUTER, Role.ROUTE, Role.PERMUTE, Role.DISPATCH, Role.EXPERTS, Role.EXPERT_ACT,
                                 Role.COMBINE_COMM, Role.COMBINE, Role.SHARED_EXPERTS, Role.ROUTER_LOSS)}
-_NOT_WORK = {"sym_size", "_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "wait_tensor"}
+_NOT_WORK = {"sym_size", "_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "wait_tensor",
+             # the routing weights' column of the dispatch: the cost model prices it with the exchange
+             "pack_row_weights", "unpack_row_weights"}
 _GATHERS = {"embedding", "index_select", "gather", "index"}  # read only the rows they return
 
 
@@ -304,17 +306,24 @@ def _moe_bytes(pairs: list[tuple[fx.Node, NodeCost]]) -> tuple[float, float, flo
     """(routed rows x_NH, hidden x_TH, per-row routing weights w_N) bytes of an MoE layer.
 
     w_N is 0 unless the experts' glu applies the weights (``experts.apply_weights: activation``):
-    then expert parallelism moves it with the rows, one more exchange each way.
+    then expert parallelism moves it with the rows, one more exchange each way. In a dropless
+    expert-parallel graph the glu's w_N has a data-dependent length: it is the permute's N, as
+    the balanced-routing estimate (``costs.layer_rows``) has it.
     """
     rows = hidden = weights = 0.0
+    n_rows = None
     for node, _ in pairs:
         if node.meta.get("moe", {}).get("role") == Role.PERMUTE and "permute" in _op_name(node) and not rows:
             val = node.meta.get("val")
-            rows = float(costs.tensor_bytes(val[0] if isinstance(val, (tuple, list)) else val) or 0)
+            x_NH = val[0] if isinstance(val, (tuple, list)) else val
+            rows = float(costs.tensor_bytes(x_NH) or 0)
+            n_rows = x_NH.shape[0] if isinstance(x_NH, torch.Tensor) and isinstance(x_NH.shape[0], int) else None
             x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
             hidden = float(costs.tensor_bytes(x) or 0)
         elif node.target is mc.glu.default and len(node.args) > 2 and isinstance(node.args[2], fx.Node):
-            weights = float(costs.tensor_bytes(node.args[2].meta.get("val")) or 0)
+            w = node.args[2].meta.get("val")
+            if isinstance(w, torch.Tensor):
+                weights = float(costs.tensor_bytes(w) or (n_rows or 0) * w.element_size())
     return rows, hidden, weights
 
 
