@@ -36,7 +36,8 @@ class ExpertsConfig(Section):
         "'activation': on the GLU output [T*k, F], before the down projection (Megatron-Core's probs in the "
         "activation): nothing [T*k, H] is kept for the combine's backward and the multiply and its gradient "
         "dot are F wide, not H; needs GLU experts without an output bias (the weight must commute with the "
-        "down projection). 'auto': activation where it applies, else combine.",
+        "down projection). 'auto': activation where it applies, else combine. Under the alltoall dispatcher at "
+        "ep > 1 the planner prices both (combine sends no weights with the rows).",
     )
     capacity_factor: Union[float, None] = doc_field(
         None, "Per-expert capacity as a multiple of T*k/E; null is dropless."
