@@ -475,7 +475,7 @@ class PartialGraphRunner:
 
     def __call__(self, inputs: Any, targets: Any) -> dict:
         if not self.graphed and self.calls >= self.warmup:
-            self._graph_static_regions(inputs)
+            self._graph_static_regions(self.step.micro_batches(inputs, targets)[0][0])  # the traced batch
         self.calls += 1
         return self.step.compute(inputs, targets)
 

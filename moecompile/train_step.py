@@ -13,8 +13,10 @@ One call runs::
     -> optional clipping by the global norm  ->  optimizer step  (fp32 master weights if the
     model is bf16)  ->  expert-bias update from the global per-expert load  ->  metrics
 
-Metrics are reduced over the data-parallel group in one small collective, launched after
-the forward and waited on after the backward. ``cuda_graph.mode`` picks how the step runs
+A batch of M times the batch the graph was traced at runs as M micro-batches (gradient
+accumulation: each backward adds 1/M of its loss into the buckets, synced once; router losses
+are per micro-batch). Metrics are reduced over the data-parallel group in one small
+collective, launched after the last forward and waited on after the optimizer. ``cuda_graph.mode`` picks how the step runs
 (moecompile.cuda_graphs); on CPU it runs eagerly and says so once, and (``keep_host_memory``)
 keeps freed host memory for reuse, since a fresh large CPU tensor costs page faults every step
 (moecompile.host_memory).
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 
 from . import host_memory
 from .errors import MoecompileError
@@ -135,6 +138,7 @@ class TrainStep:
         self.bias_rate = expert_bias_rate if expert_bias_rate is not None else self.plan.experts.expert_bias_rate
         self.biases = self._expert_biases()
         self.step_count = 0
+        self.traced_batch = traced_batch(self.module)
         self.forward_module: nn.Module = self.module  # a runner may swap in a split copy (same parameters)
         self.autocast_cache = True
         from .cuda_graphs import make_runner
@@ -157,16 +161,24 @@ class TrainStep:
         return self._metrics(stats, norm, time.perf_counter() - start)
 
     def compute(self, inputs: Any, targets: Any) -> dict[str, Any]:
-        """The whole step as tensor work (no host sync): what a CUDA graph captures."""
+        """The whole step as tensor work (no host sync): what a CUDA graph captures.
+
+        A batch of M times the traced batch runs as M micro-batches, each backward adding
+        1/M of its loss's gradient into the buckets, which are synced once.
+        """
         self.buckets.prepare()
-        with self._autocast():
-            output = self._forward(inputs)
-            lm = self.loss_fn(output, targets)
-        stats = self.module.moe_stats
-        router = self.result.router_loss()
-        loss = lm + router
-        reduced, handle = self._reduce_stats(lm, loss, stats, targets)
-        loss.backward()
+        parts = self.micro_batches(inputs, targets)
+        local, handle = None, None
+        for i, (x, y) in enumerate(parts):
+            with self._autocast():
+                output = self._forward(x)
+                lm = self.loss_fn(output, y)
+            loss = lm + self.result.router_loss()
+            stats = self._local_stats(lm, loss, self.module.moe_stats, y, len(parts))
+            local = stats if local is None else local + stats
+            if i == len(parts) - 1:  # launched before the last backward, waited on after the optimizer
+                reduced, handle = self._reduce_stats(local)
+            (loss / len(parts)).backward()
         self.buckets.sync()
         norm = self.buckets.clip_(self.clip_grad_norm) if self.clip_grad_norm is not None else None
         if self.masters:
@@ -202,16 +214,24 @@ class TrainStep:
         loads = [(layer, int(v.numel())) for layer, v in sorted(self.module.moe_stats.load.items())]
         return names, loads
 
-    def _reduce_stats(self, lm: torch.Tensor, loss: torch.Tensor, stats: Any, targets: Any):
-        """[loss, lm, tokens, router losses (layer means), loads...] summed over dp, in float64."""
+    def micro_batches(self, inputs: Any, targets: Any) -> list[tuple[Any, Any]]:
+        """The rank's batch as micro-batches of the batch the graph was traced at."""
+        return split_micro_batches(inputs, targets, self.traced_batch)
+
+    def _local_stats(self, lm: torch.Tensor, loss: torch.Tensor, stats: Any, targets: Any, parts: int) -> torch.Tensor:
+        """This micro-batch's [loss, lm, tokens, router losses (layer means), loads...] in float64; the
+        losses divided by the micro-batch count, so the sum over micro-batches is their mean."""
         names, loads = self._stat_layout()
-        parts = [loss.detach().double().reshape(1), lm.detach().double().reshape(1),
-                 torch.full((1,), float(_numel(targets)), dtype=torch.float64, device=self.device)]
+        out = [loss.detach().double().reshape(1) / parts, lm.detach().double().reshape(1) / parts,
+               torch.full((1,), float(_numel(targets)), dtype=torch.float64, device=self.device)]
         for name in names:
             values = [d[name].detach().double() for d in stats.losses.values() if name in d]
-            parts.append((sum(values) / len(values)).reshape(1).to(self.device))
-        parts += [stats.load[layer].double().reshape(-1).to(self.device) for layer, _ in loads]
-        flat = torch.cat(parts)
+            out.append((sum(values) / len(values)).reshape(1).to(self.device) / parts)
+        out += [stats.load[layer].double().reshape(-1).to(self.device) for layer, _ in loads]
+        return torch.cat(out)
+
+    def _reduce_stats(self, flat: torch.Tensor):
+        """The step's stats summed over dp (one small collective, asynchronous)."""
         dp = getattr(self.world, "dp_group", None) if self.world is not None else None
         if dp is None or dist.get_world_size(dp) == 1:
             return flat, None
@@ -271,6 +291,45 @@ class TrainStep:
         from .checkpoint import load
 
         load(self, path)
+
+
+def traced_batch(gm: nn.Module) -> int | None:
+    """The batch size the graph's first tensor input was traced at; None if it is symbolic (dynamic)."""
+    graph = getattr(gm, "graph", None)
+    for node in graph.nodes if graph is not None else ():
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(val, torch.Tensor) and val.dim() >= 1:
+            return val.shape[0] if isinstance(val.shape[0], int) else None
+    return None
+
+
+def split_micro_batches(inputs: Any, targets: Any, traced: int | None) -> list[tuple[Any, Any]]:
+    """``(inputs, targets)`` of B sequences as B / ``traced`` micro-batches (gradient accumulation).
+
+    A graph traced at a fixed batch takes exactly that many sequences a forward; a batch of M
+    times as many runs as M micro-batches. Input tensors with another leading size (a broadcast
+    [1, S] position tensor) go to every micro-batch whole; every target must have the batch's.
+    """
+    batched = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() >= 1]
+    if traced is None or not batched or batched[0].shape[0] == traced:
+        return [(inputs, targets)]
+    B = batched[0].shape[0]
+    if B % traced:
+        raise MoecompileError(
+            f"the batch has {B} sequences but the graph was traced at {traced}: give a multiple of {traced} (the "
+            f"step runs it as micro-batches of {traced}, accumulating gradients) or convert with example inputs "
+            f"of the batch you train with")
+    odd = [tuple(t.shape) for t in pytree.tree_leaves(targets)
+           if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] != B)]
+    if odd:
+        raise MoecompileError(f"the inputs hold {B} sequences but targets of shape {odd[0]} do not: the step splits "
+                              "the batch into micro-batches, so every target needs the batch as its first dim")
+
+    def part(tree: Any, i: int) -> Any:
+        return pytree.tree_map(lambda t: t.narrow(0, i * traced, traced)
+                               if isinstance(t, torch.Tensor) and t.dim() >= 1 and t.shape[0] == B else t, tree)
+
+    return [(part(inputs, i), part(targets, i)) for i in range(B // traced)]
 
 
 def _numel(t: Any) -> int:

@@ -35,8 +35,11 @@ def test_train_five_steps_on_two_ranks_then_resume_on_one(tmp_path):
     assert meta["step"] == 5 and meta["ep"] == 2 and meta["world_size"] == 2
     assert (out / "plan.yaml").exists()
     # the ep=2 checkpoint resumes in one process (ep=1): two more steps, from step 5
-    proc = moecompile("train", "--steps", "7", *FAST, "--out", str(out), "--resume", "--nproc", "1", cwd=tmp_path)
-    assert re.search(r"steps +2 \(now at step 7\)", proc.stdout), proc.stdout
+    # ... as 2 micro-batches of 2 sequences a step (the graph traced at 2, gradients accumulated)
+    proc = moecompile("train", "--steps", "7", *FAST, "--out", str(out), "--resume", "--nproc", "1",
+                      "--micro-batch", "2", cwd=tmp_path)
+    assert "micro-batches of 2 per rank" in proc.stdout and re.search(r"steps +2 \(now at step 7\)", proc.stdout), \
+        proc.stdout
     assert [int(s) for s in re.findall(r"step +(\d+) +loss", proc.stdout)] == [6, 7]
     assert json.loads((out / "checkpoint" / "moecompile.json").read_text())["step"] == 7
 
@@ -46,3 +49,11 @@ def test_a_bad_plan_is_a_clean_error(tmp_path):
                            "--set", "experts.top_k=9", "--out", str(tmp_path)],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "experts.top_k" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_a_micro_batch_that_does_not_divide_the_rank_batch_is_a_clean_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "moecompile", "train", "--nproc", "1", "--steps", "1", *FAST,
+                           "--micro-batch", "3", "--out", str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--micro-batch 3 must divide the 4 sequences" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -157,14 +157,14 @@ def test_dropless_ep2_is_not_capture_safe_but_its_static_regions_are():
 
 
 def _emulated(plan: dict, runner: str | None, n: int = 5, precision: str = "fp32", optimizer=None,
-              schedule=None, loss_fn=None) -> tuple[list[float], list]:
+              schedule=None, loss_fn=None, batch: int = BATCH) -> tuple[list[float], list]:
     from _graph_emulator import emulated_cuda_graphs
 
     import moecompile.cuda_graphs as cg
 
     plan = {**plan, "cuda_graph": {"warmup_steps": 2}}
     optimizer = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=3e-3, capturable=True))
-    data = ByteBatches(stdlib_bytes(100_000), BATCH, SEQ)
+    data = ByteBatches(stdlib_bytes(100_000), batch, SEQ)
     with emulated_cuda_graphs() as graphs:
         torch.manual_seed(0)
         result, _ = convert(plan)
@@ -236,6 +236,16 @@ def test_captured_steps_keep_fp8_scaling_state_recompute_and_offload(runner):
     assert captured == eager
 
 
+@pytest.mark.parametrize("runner, plan", [("full", STATIC), ("partial", DROPLESS)])
+def test_captured_micro_batches_replay_the_eager_step(runner, plan):
+    """Twice the traced batch: two micro-batches a step, both in the capture (full) or through the regions."""
+    eager, _ = _emulated(plan, None, batch=2 * BATCH)
+    captured, graphs = _emulated(plan, runner, batch=2 * BATCH)
+    per_step = 1 if runner == "full" else 2  # one graph of the step, or each region once per micro-batch
+    assert graphs and all(g.replays == 3 * per_step for g in graphs)
+    assert captured == eager
+
+
 def test_partial_capture_refuses_another_shape():
     from _graph_emulator import emulated_cuda_graphs
 
@@ -248,8 +258,8 @@ def test_partial_capture_refuses_another_shape():
         step(ByteBatches(stdlib_bytes(100_000), BATCH, SEQ)[0])
         step(ByteBatches(stdlib_bytes(100_000), BATCH, SEQ)[1])  # captured here
         with pytest.raises(mc.MoecompileError, match=r"mode=partial: region static_0 was captured with argument 0 = "
-                                                     r"\(4, 16\) torch.int64, got \(2, 16\)"):
-            step(ByteBatches(stdlib_bytes(100_000), 2, SEQ)[0])
+                                                     r"\(4, 16\) torch.int64, got \(4, 8\)"):
+            step(ByteBatches(stdlib_bytes(100_000), BATCH, 8)[0])
 
 
 @pytest.mark.distributed

@@ -121,6 +121,36 @@ def test_bf16_model_trains_through_fp32_masters(data):
         assert p.dtype == torch.bfloat16 and torch.equal(p, step.masters[name].to(torch.bfloat16)), name
 
 
+def test_a_batch_of_several_traced_batches_accumulates_their_gradient(data):
+    """Traced at 2 sequences, stepped on 4: two micro-batches give the one-forward step on 4 sequences."""
+    plan = {"experts": {"num_experts": 4, "top_k": 2, "router_noise": 0.01}}
+    results = {}
+    for traced in (BATCH // 2, BATCH):
+        torch.manual_seed(0)
+        dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=traced, seq_len=SEQ)
+        results[traced] = mc.convert(dense, plan, (ids,))
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.5)  # noqa: E731
+    micro, whole = (mc.build_train_step(results[t], optimizer=sgd) for t in (BATCH // 2, BATCH))
+    assert len(micro.micro_batches(*data[0])) == 2 and len(whole.micro_batches(*data[0])) == 1
+    for i in range(3):
+        a, b = micro(data[i]), whole(data[i])
+        assert a.loss == pytest.approx(b.loss, rel=1e-6) and a.tokens == b.tokens == BATCH * SEQ, i
+        assert a.expert_load == b.expert_load, i
+    for (name, p), q in zip(results[BATCH // 2].module.named_parameters(), results[BATCH].module.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_batch_the_traced_one_does_not_divide_is_a_clear_error(data):
+    _, result = convert({})
+    step = mc.build_train_step(result)
+    x, y = data[0]
+    with pytest.raises(mc.MoecompileError, match=f"batch has 3 sequences but the graph was traced at {BATCH}"):
+        step(x[:3], y[:3])
+    doubled = torch.cat([x, x])
+    with pytest.raises(mc.MoecompileError, match="targets of shape \\(4, 16\\)"):
+        step(doubled, y)
+
+
 def test_bad_optimizer_and_batch_are_clear_errors(data):
     _, result = convert({})
     with pytest.raises(mc.MoecompileError, match="factory"):
@@ -151,6 +181,21 @@ def test_ep2_matches_ep1_step_for_step():
             assert a["load"] == b["load"] and a["tokens"] == b["tokens"] == BATCH * SEQ, i
         assert r["expert_shapes"]["model.layers.0.mlp.experts.w_gate_up"] == (2, 128, 32)  # 4 experts / ep 2
         assert r["collectives"] == 1  # all dense grads in one bucket; edp = 1 leaves experts local
+
+
+@pytest.mark.distributed
+def test_ep2_micro_batches_of_one_sequence_match_the_one_process_step():
+    """Traced at 1 sequence a rank, stepped on 2: gradients accumulate before the sync, z-loss means agree."""
+    from _ep_scenario import ep1_reference, ep2_results
+
+    _, ranks = ep2_results()
+    ref = ep1_reference()[2]
+    for r in ranks:
+        assert r["micro_parts"] == 2
+        for i, (a, b) in enumerate(zip(r["micro_metrics"], ref)):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (i, a["loss"], b["loss"])
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), i
+            assert a["load"] == b["load"] and a["tokens"] == b["tokens"] == BATCH * SEQ, i
 
 
 @pytest.mark.distributed

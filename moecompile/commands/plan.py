@@ -55,4 +55,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         report.save(args.out)
         print(f"\nwrote the best plan to {args.out}")
+        mb, per_gpu = report.best.candidate.micro_batch, args.global_batch // report.cluster.gpus
+        if mb < per_gpu:  # the plan holds no batch: the graph's traced batch is the micro-batch
+            print(f"it trains in micro-batches of {mb} of the {per_gpu} sequences per GPU: convert with example "
+                  f"inputs of {mb} and step on all {per_gpu}, the step accumulates (moecompile train --micro-batch {mb})")
     return 0

@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=300, help="optimizer steps in total (default 300)")
     p.add_argument("--batch", type=int, default=8, help="global batch, split over the ranks (default 8)")
     p.add_argument("--seq", type=int, default=64, help="bytes per sequence (default 64)")
+    p.add_argument("--micro-batch", type=int, default=None, metavar="N",
+                   help="sequences per forward on each rank (default: the rank's whole batch); the step "
+                        "accumulates gradients over batch / ranks / N micro-batches")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (0: off; default 1)")
     p.add_argument("--log-every", type=int, default=25, help="print loss and expert load every N steps (default 25)")
@@ -127,6 +130,11 @@ def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
         plan = apply_sets(plan, args.sets)
     if args.batch % world_size:
         raise MoecompileError(f"--batch {args.batch} must be a multiple of the {world_size} ranks")
+    per_rank = args.batch // world_size
+    micro = args.micro_batch or per_rank
+    if micro < 1 or per_rank % micro:
+        raise MoecompileError(f"--micro-batch {args.micro_batch} must divide the {per_rank} sequences each rank "
+                              f"gets (--batch {args.batch} over {world_size} ranks)")
     threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
@@ -145,7 +153,7 @@ def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
         if load_config(model).vocab_size < 256:
             overrides.setdefault("vocab_size", 256)  # byte-level data
         overrides.setdefault("max_position_embeddings", max(args.seq, 128))
-    dense, (ids,) = build_model(model, batch_size=args.batch // world_size, seq_len=args.seq, seed=args.seed,
+    dense, (ids,) = build_model(model, batch_size=micro, seq_len=args.seq, seed=args.seed,
                                 **overrides)
     result = convert(dense, plan, (ids,), world=world)
     clip = args.clip if args.clip > 0 else None
@@ -196,7 +204,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
         print(f"moecompile train: {source} -> {e.num_experts} experts top-{e.top_k} "
               f"(G={e.granularity}), ep={s.plan.parallel.ep} over {world_size} rank(s) "
               f"({s.plan.parallel.dispatcher}, {s.plan.parallel.dispatch_mode}); {n_params:,} parameters on this rank; "
-              f"batch {args.batch} x {args.seq} bytes of {len(text):,} bytes of text", flush=True)
+              f"batch {args.batch} x {args.seq} bytes of {len(text):,} bytes of text"
+              + (f", micro-batches of {args.micro_batch} per rank" if args.micro_batch else ""), flush=True)
     history: list[Any] = []
     start, first = time.perf_counter(), s.step.step_count
     bar = tqdm(total=args.steps, initial=first, disable=not lead, unit="step", dynamic_ncols=True, file=sys.stderr,
@@ -251,8 +260,9 @@ def _held_out_loss(s: _Setup, data: Any, rank: int, world_size: int, batches: in
     total = torch.zeros(1, dtype=torch.float64)
     with torch.no_grad():
         for i in range(batches):
-            x, y = data.shard(i, rank, world_size)
-            total += causal_lm_loss(s.result.module(x), y).double()
+            parts = s.step.micro_batches(*data.shard(i, rank, world_size))
+            for x, y in parts:
+                total += causal_lm_loss(s.result.module(x), y).double() / len(parts)
     if s.world is not None:
         dist.all_reduce(total, group=s.world.dp_group)
     return float(total) / (batches * world_size)
