@@ -13,7 +13,7 @@ import torch.nn as nn
 import moecompile.passes  # noqa: F401  (registers the built-in passes)
 
 from .distributed import resolve_world
-from .frontend import accept_missing_constant_kwargs, example_kwargs_for, flat_inputs, trace
+from .frontend import accept_missing_constant_kwargs, check_input_shapes, example_kwargs_for, flat_inputs, trace
 from .history import PassRecord
 from .pass_manager import Options, PassContext, resolve_order, run_passes
 from .plan import Plan
@@ -98,6 +98,9 @@ def convert(
     gm = run_passes(gm, ctx, resolve_order(passes or ()))
     attach_stats_hook(gm)
     accept_missing_constant_kwargs(gm, kwargs)
+    gm.meta["dynamic"] = dynamic  # the passes' shapes are the example's: only the trace knows what may vary
+    if not dynamic:
+        check_input_shapes(gm)
     config = getattr(model, "config", None)
     # a Hugging Face config (save_pretrained) is kept as a copy: later edits to the model don't leak in
     source_config = copy.deepcopy(config) if hasattr(config, "save_pretrained") else None

@@ -17,7 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .errors import TraceError
+from .errors import MoecompileError, TraceError
 
 log = logging.getLogger(__name__)
 
@@ -171,3 +171,26 @@ def accept_missing_constant_kwargs(gm: fx.GraphModule, example_kwargs: dict[str,
         return args, {**constants, **kwargs}
 
     gm.register_forward_pre_hook(fill, prepend=True, with_kwargs=True)
+
+
+def check_input_shapes(gm: fx.GraphModule) -> None:
+    """Name a call whose tensor inputs differ from the traced (static) shapes, instead of torch's guard
+    assertion (for a graph converted with ``dynamic=False``)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    traced = {n.name: n.meta["val"].shape for n in placeholders if isinstance(n.meta.get("val"), torch.Tensor)}
+    if not traced:
+        return
+    order = [n.name for n in placeholders]
+
+    def check(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        for name, t in [*zip(order, args), *kwargs.items()]:
+            want = traced.get(name)
+            if want is None or not isinstance(t, torch.Tensor):
+                continue
+            if tuple(t.shape) != tuple(want):
+                raise MoecompileError(
+                    f"input {name!r} has shape {tuple(t.shape)} but the graph was traced at {tuple(want)}: convert with "
+                    "example inputs of the shape you call it with (or dynamic=True for a symbolic batch and "
+                    "sequence); the training step runs a batch of several traced batches as micro-batches")
+
+    gm.register_forward_pre_hook(check, prepend=True, with_kwargs=True)  # before export's own guard

@@ -294,9 +294,11 @@ class TrainStep:
 
 
 def traced_batch(gm: nn.Module) -> int | None:
-    """The batch size the graph's first tensor input was traced at; None if it is symbolic (dynamic)."""
+    """The batch size the graph's first tensor input was traced at; None if it may vary (``dynamic=True``)."""
     graph = getattr(gm, "graph", None)
-    for node in graph.nodes if graph is not None else ():
+    if graph is None or getattr(gm, "meta", {}).get("dynamic"):
+        return None
+    for node in graph.nodes:
         val = node.meta.get("val") if node.op == "placeholder" else None
         if isinstance(val, torch.Tensor) and val.dim() >= 1:
             return val.shape[0] if isinstance(val.shape[0], int) else None

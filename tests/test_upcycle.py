@@ -181,6 +181,14 @@ def test_untraceable_model_is_a_trace_error():
         mc.trace(lambda x: x, (torch.randn(2),))
 
 
+def test_a_call_at_another_shape_names_the_input_and_the_traced_shape(llama, ids):
+    result = mc.convert(llama, plan(), (ids,))
+    for bad in (ids[:, :4], torch.cat([ids, ids])):
+        with pytest.raises(mc.MoecompileError, match=rf"input 'input_ids' has shape \({bad.shape[0]}, {bad.shape[1]}\) "
+                                                     r"but the graph was traced at \(2, 8\)"):
+            result.module(bad)  # (dynamic=True graphs take other shapes: test_dynamic_shapes_accept_...)
+
+
 @pytest.mark.parametrize("module", [PlainMLP(nn.GELU(), True), PlainMLP(nn.SiLU(), False), PlainGLU()],
                          ids=["gelu-bias", "silu", "geglu-bias"])
 def test_symbolic_trace_frontend_speaks_the_same_ops(module):
