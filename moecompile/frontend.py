@@ -173,6 +173,30 @@ def accept_missing_constant_kwargs(gm: fx.GraphModule, example_kwargs: dict[str,
     gm.register_forward_pre_hook(fill, prepend=True, with_kwargs=True)
 
 
+def accept_positional_by_name(gm: fx.GraphModule, model: nn.Module, positional: int) -> None:
+    """Let callers name the inputs the trace took positionally (``module(input_ids=x)``, as with the model):
+    the exported module otherwise only takes them in their traced positions."""
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return
+    names = [p.name for p in params[:positional]]
+
+    def move(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        missing = names[len(args):]
+        if not missing or missing[0] not in kwargs:
+            return None
+        args, kwargs = list(args), dict(kwargs)
+        for name in missing:
+            if name not in kwargs:
+                raise MoecompileError(f"missing input {name!r}: the graph was traced with {names} as its inputs")
+            args.append(kwargs.pop(name))
+        return tuple(args), kwargs
+
+    gm.register_forward_pre_hook(move, prepend=True, with_kwargs=True)
+
+
 def check_input_shapes(gm: fx.GraphModule) -> None:
     """Name a call whose tensor inputs differ from the traced (static) shapes, instead of torch's guard
     assertion (for a graph converted with ``dynamic=False``)."""

@@ -181,6 +181,12 @@ def test_untraceable_model_is_a_trace_error():
         mc.trace(lambda x: x, (torch.randn(2),))
 
 
+def test_the_converted_model_takes_its_inputs_by_name_like_the_model(llama, ids):
+    result = mc.convert(llama, plan(), (ids,))
+    assert torch.equal(result.module(input_ids=ids).logits, result.module(ids).logits)
+    torch.testing.assert_close(result.module(input_ids=ids).logits, llama(input_ids=ids).logits, rtol=0, atol=1e-5)
+
+
 def test_a_call_at_another_shape_names_the_input_and_the_traced_shape(llama, ids):
     result = mc.convert(llama, plan(), (ids,))
     for bad in (ids[:, :4], torch.cat([ids, ids])):
