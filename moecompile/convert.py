@@ -14,7 +14,7 @@ import moecompile.passes  # noqa: F401  (registers the built-in passes)
 
 from .distributed import resolve_world
 from .frontend import (accept_missing_constant_kwargs, accept_positional_by_name, check_input_shapes,
-                       example_kwargs_for, flat_inputs, trace)
+                       example_kwargs_for, flat_inputs, positional_names, trace)
 from .history import PassRecord
 from .pass_manager import Options, PassContext, resolve_order, run_passes
 from .plan import Plan
@@ -102,7 +102,8 @@ def convert(
     gm.meta["dynamic"] = dynamic  # the passes' shapes are the example's: only the trace knows what may vary
     if not dynamic:
         check_input_shapes(gm)
-    accept_positional_by_name(gm, model, len(example_inputs))  # runs first: the checks see positions
+    gm.meta["input_names"] = positional_names(model, len(example_inputs))
+    accept_positional_by_name(gm, gm.meta["input_names"])  # runs first: the checks see positions
     config = getattr(model, "config", None)
     # a Hugging Face config (save_pretrained) is kept as a copy: later edits to the model don't leak in
     source_config = copy.deepcopy(config) if hasattr(config, "save_pretrained") else None

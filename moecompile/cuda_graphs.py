@@ -462,7 +462,7 @@ class PartialGraphRunner:
         self.graphed = False
 
     def _install_hooks(self) -> None:
-        from .frontend import accept_missing_constant_kwargs
+        from .frontend import accept_missing_constant_kwargs, accept_positional_by_name
         from .stats import _split_hook
 
         original = self.step.module
@@ -472,6 +472,7 @@ class PartialGraphRunner:
 
         self.split.register_forward_hook(stats_hook, with_kwargs=True)
         accept_missing_constant_kwargs(self.split, self.step.result.example_kwargs)
+        accept_positional_by_name(self.split, getattr(original, "meta", {}).get("input_names", []))
 
     def __call__(self, inputs: Any, targets: Any) -> dict:
         if not self.graphed and self.calls >= self.warmup:

@@ -173,15 +173,21 @@ def accept_missing_constant_kwargs(gm: fx.GraphModule, example_kwargs: dict[str,
     gm.register_forward_pre_hook(fill, prepend=True, with_kwargs=True)
 
 
-def accept_positional_by_name(gm: fx.GraphModule, model: nn.Module, positional: int) -> None:
-    """Let callers name the inputs the trace took positionally (``module(input_ids=x)``, as with the model):
-    the exported module otherwise only takes them in their traced positions."""
+def positional_names(model: nn.Module, positional: int) -> list[str]:
+    """The names of ``model.forward``'s first ``positional`` parameters (the inputs traced by position)."""
     try:
         params = [p for p in inspect.signature(model.forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
+        return []
+    return [p.name for p in params[:positional]]
+
+
+def accept_positional_by_name(gm: nn.Module, names: list[str]) -> None:
+    """Let callers name the inputs the trace took positionally (``module(input_ids=x)``, as with the model):
+    the exported module otherwise only takes them in their traced positions."""
+    if not names:
         return
-    names = [p.name for p in params[:positional]]
 
     def move(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         missing = names[len(args):]

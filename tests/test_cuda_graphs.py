@@ -157,7 +157,7 @@ def test_dropless_ep2_is_not_capture_safe_but_its_static_regions_are():
 
 
 def _emulated(plan: dict, runner: str | None, n: int = 5, precision: str = "fp32", optimizer=None,
-              schedule=None, loss_fn=None, batch: int = BATCH) -> tuple[list[float], list]:
+              schedule=None, loss_fn=None, batch: int = BATCH, by_name: bool = False) -> tuple[list[float], list]:
     from _graph_emulator import emulated_cuda_graphs
 
     import moecompile.cuda_graphs as cg
@@ -174,7 +174,8 @@ def _emulated(plan: dict, runner: str | None, n: int = 5, precision: str = "fp32
         sched = schedule(step.optimizer) if schedule else None
         losses = []
         for i in range(n):
-            losses.append(step(data[i]).loss)
+            x, y = data[i]
+            losses.append(step({"input_ids": x} if by_name else x, y).loss)
             if sched:
                 sched.step()
     return losses, graphs
@@ -240,7 +241,7 @@ def test_captured_steps_keep_fp8_scaling_state_recompute_and_offload(runner):
 def test_captured_micro_batches_replay_the_eager_step(runner, plan):
     """Twice the traced batch: two micro-batches a step, both in the capture (full) or through the regions."""
     eager, _ = _emulated(plan, None, batch=2 * BATCH)
-    captured, graphs = _emulated(plan, runner, batch=2 * BATCH)
+    captured, graphs = _emulated(plan, runner, batch=2 * BATCH, by_name=True)  # and a dict batch
     per_step = 1 if runner == "full" else 2  # one graph of the step, or each region once per micro-batch
     assert graphs and all(g.replays == 3 * per_step for g in graphs)
     assert captured == eager
