@@ -57,3 +57,32 @@ def test_a_micro_batch_that_does_not_divide_the_rank_batch_is_a_clean_error(tmp_
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--micro-batch 3 must divide the 4 sequences" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_lr_schedule_warms_up_decays_and_resumes_where_it_stopped():
+    import argparse
+
+    import torch
+
+    from moecompile.commands.train import lr_factor, lr_scheduler
+
+    args = argparse.Namespace(lr=1e-2, schedule="cosine", warmup=None, steps=50, min_lr=0.1)
+    factors = [lr_factor(i, "cosine", 5, 50, 0.1) for i in range(50)]
+    assert factors[:5] == [0.2, 0.4, 0.6, 0.8, 1.0] and factors[5] == 1.0
+    assert factors[-1] == pytest.approx(0.1) and all(a >= b for a, b in zip(factors[5:], factors[6:]))
+    assert {lr_factor(i, "constant", 5, 50, 0.1) for i in range(5, 50)} == {1.0}
+
+    def opt():
+        return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=args.lr)
+
+    straight, s = opt(), None
+    s = lr_scheduler(straight, args, 0)
+    lrs = []
+    for _ in range(30):
+        lrs.append(straight.param_groups[0]["lr"])
+        straight.step()  # no gradients: nothing moves, but the scheduler sees the optimizer stepped
+        s.step()
+    resumed = opt()  # a checkpoint after 20 steps: the schedule picks up at step 20
+    lr_scheduler(resumed, args, 20)
+    assert resumed.param_groups[0]["lr"] == pytest.approx(lrs[20])
+    assert lrs[0] == pytest.approx(args.lr * 0.2)  # default warm-up: a tenth of 50 steps = 5

@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import datetime
 import logging
+import math
 import os
 import sys
 import time
@@ -50,7 +51,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batch", type=int, default=None, metavar="N",
                    help="sequences per forward on each rank (default: the rank's whole batch); the step "
                         "accumulates gradients over batch / ranks / N micro-batches")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (default 3e-3)")
+    p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
+                   help="learning rate after the warm-up: cosine decay to --min-lr x lr at the last step, or "
+                        "constant (default cosine)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="steps of linear warm-up from 0 (default: a tenth of --steps, at most 10)")
+    p.add_argument("--min-lr", type=float, default=0.1, help="cosine's final lr as a fraction of --lr (default 0.1)")
     p.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (0: off; default 1)")
     p.add_argument("--log-every", type=int, default=25, help="print loss and expert load every N steps (default 25)")
     p.add_argument("--out", default="out/train", metavar="DIR", help="checkpoint and plan go here (default out/train)")
@@ -188,6 +195,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
     ckpt = out / "checkpoint"
     if args.resume and (ckpt / "moecompile.json").exists():
         s.step.load(ckpt)
+    sched = lr_scheduler(s.step.optimizer, args, s.step.step_count)
     text = stdlib_bytes(root=args.data) if args.data else stdlib_bytes()
     split = int(len(text) * 0.95)
     train_data = ByteBatches(text[:split], args.batch, args.seq, seed=args.seed)
@@ -213,11 +221,12 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
     while s.step.step_count < args.steps:
         i = s.step.step_count
         m = s.step(train_data.shard(i, rank, world_size))
+        sched.step()
         history.append(m)
         bar.update(1)
         bar.set_postfix(loss=f"{m.loss:.3f}", tok_s=f"{m.tokens_per_s:,.0f}")
         if lead and (m.step % args.log_every == 0 or m.step == first + 1 or m.step == args.steps):
-            bar.write(_line(m))
+            bar.write(_line(m, sched.get_last_lr()[0]))
     bar.close()
     seconds = time.perf_counter() - start
     s.step.save(ckpt)
@@ -238,10 +247,32 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
     return summary
 
 
-def _line(m: Any) -> str:
+def lr_factor(step: int, schedule: str, warmup: int, total: int, min_lr: float) -> float:
+    """The lr of optimizer step ``step`` (0-based) as a fraction of the peak: linear warm-up, then
+    constant or cosine down to ``min_lr`` at the last step (Megatron-Core's and torchtitan's shape)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant" or total <= warmup + 1:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - warmup - 1))
+    return min_lr + (1 - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def lr_scheduler(optimizer: Any, args: argparse.Namespace, done: int) -> Any:
+    """A LambdaLR over the run's steps, positioned after the ``done`` steps a checkpoint already took."""
+    from torch.optim.lr_scheduler import LambdaLR
+
+    warmup = args.warmup if args.warmup is not None else min(10, args.steps // 10)
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", args.lr)
+    return LambdaLR(optimizer, lambda i: lr_factor(i, args.schedule, warmup, args.steps, args.min_lr),
+                    last_epoch=done - 1)
+
+
+def _line(m: Any, next_lr: float) -> str:
     router = "  ".join(f"{k} {v:.3f}" for k, v in sorted(m.router_losses.items()))
     loads = "  ".join(f"L{_layer_index(layer)} {load}" for layer, load in m.expert_load.items())
-    return (f"step {m.step:5d}  loss {m.loss:.4f}  lm {m.lm_loss:.4f}  {router}  "
+    return (f"step {m.step:5d}  loss {m.loss:.4f}  lm {m.lm_loss:.4f}  {router}  next lr {next_lr:.2e}  "
             f"{m.tokens_per_s:,.0f} tok/s  max/mean load {max(m.load_balance().values()):.2f}  load {loads}")
 
 
