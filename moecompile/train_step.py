@@ -371,5 +371,7 @@ def build_train_step(
     ``expert_bias_rate`` (default ``plan.experts.expert_bias_rate``), ``cuda_graph``
     ("none" | "partial" | "full"; default ``plan.cuda_graph.mode``), ``keep_host_memory`` (default
     True on CPU: ``moecompile.host_memory.keep_freed_memory``, process-wide).
+    The batch the step is called with may be any multiple of the batch ``convert`` traced: it
+    runs as that many micro-batches (gradient accumulation), so convert at the micro-batch.
     """
     return TrainStep(result, optimizer, loss_fn, **options)
