@@ -13,7 +13,9 @@ them expert-major. The inverse is the same op on the transposed counts:
     sort_chunks(x, counts_AB)        = x[[0, 3, 1, 2, 4]]   blocks (0,0) (1,0) (0,1) (1,1)
     sort_chunks(that, counts_AB.T)   = x
 
-No host sync: every index is computed on the device from counts_AB.
+On a GPU no host sync: every index is computed on the device from counts_AB. On the CPU,
+where reading counts_AB costs nothing, the blocks are split off and concatenated instead
+(one copy and no index arithmetic: 17 us against 106 us at 512 x 129 rows, 8 blocks).
 
 `moecompile::pack_row_weights(x_NH, w_N) -> x_NW` appends each row's weight as column H
 (W = H + 1) and `unpack_row_weights(x_NW) -> (x_NH, w_N)` splits it off again, both as
@@ -38,14 +40,15 @@ def _check(x_NH: Tensor, counts_AB: Tensor) -> None:
         raise ValueError(f"sort_chunks: counts_AB must be an integer tensor, got {counts_AB.dtype}")
 
 
+def _bad_counts(x_NH: Tensor, counts_AB: Tensor) -> ValueError:
+    return ValueError(f"sort_chunks: counts_AB must be >= 0 and sum to N={x_NH.shape[0]}, got {counts_AB.tolist()}")
+
+
 def _check_values(x_NH: Tensor, counts_AB: Tensor) -> None:
     # Reading values syncs the host; only worth it where that is free (CPU).
     if counts_AB.device.type == "cpu" and counts_AB.numel():
-        total, low = int(counts_AB.sum()), int(counts_AB.min())
-        if low < 0 or total != x_NH.shape[0]:
-            raise ValueError(
-                f"sort_chunks: counts_AB must be >= 0 and sum to N={x_NH.shape[0]}, got {counts_AB.tolist()}"
-            )
+        if int(counts_AB.min()) < 0 or int(counts_AB.sum()) != x_NH.shape[0]:
+            raise _bad_counts(x_NH, counts_AB)
 
 
 def sort_chunks_index(counts_AB: Tensor, num_rows: int) -> Tensor:
@@ -70,8 +73,23 @@ def sort_chunks_ref(x_NH: Tensor, counts_AB: Tensor) -> Tensor:
     return x_NH[sort_chunks_index(counts_AB, x_NH.shape[0])]
 
 
+def sort_chunks_cpu(x_NH: Tensor, counts_AB: Tensor) -> Tensor:
+    """The CPU path: split the rows into their blocks, concatenate them b-major."""
+    _check(x_NH, counts_AB)
+    A, B = counts_AB.shape
+    sizes = counts_AB.reshape(-1).tolist()
+    if sizes and (min(sizes) < 0 or sum(sizes) != x_NH.shape[0]):
+        raise _bad_counts(x_NH, counts_AB)
+    blocks = x_NH.split(sizes)
+    if not blocks:  # no blocks at all (A or B is 0): no rows either
+        return x_NH.clone()
+    return torch.cat([blocks[a * B + b] for b in range(B) for a in range(A)])
+
+
 @library.op("moecompile::sort_chunks")
 def _sort_chunks_op(x_NH: Tensor, counts_AB: Tensor) -> Tensor:
+    if x_NH.device.type == "cpu" and counts_AB.device.type == "cpu":
+        return sort_chunks_cpu(x_NH, counts_AB)
     return sort_chunks_ref(x_NH, counts_AB)
 
 

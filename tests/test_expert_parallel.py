@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import moecompile as mc
+from moecompile.kernels import sort_chunks_ref
 from _dist import spawn
 
 E, K, H = 8, 2, 16
@@ -555,8 +556,9 @@ SORT_CASES = [  # (counts, width): uneven, empty blocks, nothing at all, one row
 def test_sort_chunks_against_a_loop_and_inverts_with_the_transpose(counts, width):
     counts = torch.tensor(counts)
     x = torch.randn(int(counts.sum()), width)
-    y = torch.ops.moecompile.sort_chunks(x, counts)
+    y = torch.ops.moecompile.sort_chunks(x, counts)  # on the CPU: split + cat
     assert torch.equal(y, naive_sort_chunks(x, counts))
+    assert torch.equal(sort_chunks_ref(x, counts), y)  # the device-side index path (what a GPU runs)
     assert torch.equal(torch.ops.moecompile.sort_chunks(y, counts.t().contiguous()), x)
 
 
@@ -568,9 +570,12 @@ def test_sort_chunks_opcheck_and_gradcheck(counts, width):
     assert torch.autograd.gradcheck(lambda t: torch.ops.moecompile.sort_chunks(t, counts), (x,))
 
 
-def test_sort_chunks_rejects_counts_that_do_not_cover_the_rows():
+@pytest.mark.parametrize("sort", [torch.ops.moecompile.sort_chunks, sort_chunks_ref], ids=["cpu", "index"])
+def test_sort_chunks_rejects_counts_that_do_not_cover_the_rows(sort):
     with pytest.raises(ValueError, match="sum to N=3"):
-        torch.ops.moecompile.sort_chunks(torch.randn(3, 2), torch.tensor([[1, 1]]))
+        sort(torch.randn(3, 2), torch.tensor([[1, 1]]))
+    with pytest.raises(ValueError, match=">= 0"):
+        sort(torch.randn(3, 2), torch.tensor([[4, -1]]))
 
 
 # ---------------------------------------------------------------- pack_row_weights / unpack_row_weights
