@@ -261,6 +261,7 @@ def test_written_plan_round_trips_through_convert(tmp_path, llama, ids):
     plan = report.save(str(path))
     loaded = mc.Plan.from_file(path)
     assert loaded == plan == report.best.plan
+    assert f"# micro-batch {report.best.candidate.micro_batch} of the 4 sequences per GPU" in path.read_text()
     result = mc.convert(llama, loaded, (ids,))
     assert result.plan == loaded
     assert result.module(ids).logits.shape == (2, 8, 128)

@@ -184,10 +184,27 @@ class PlanReport:
         return self.ranked[0]
 
     def save(self, path: str) -> Plan:
-        """Write the best plan as a plan.yaml that ``moecompile.convert`` accepts."""
-        plan = self.best.plan
-        plan.save(path)
-        return plan
+        """Write the best plan as a plan.yaml that ``moecompile.convert`` accepts.
+
+        A YAML file starts with comments on what the plan does not hold: the estimate, and the
+        micro-batch (the batch to convert at; the training step accumulates over the rest).
+        """
+        from pathlib import Path
+
+        from ..costs import human
+        from .explain import _ms
+
+        best = self.best
+        best.plan.save(path)
+        if Path(path).suffix != ".json":
+            per_gpu = self.global_batch // self.cluster.gpus
+            head = (f"# moecompile plan for {self.profile.name} on {self.cluster.gpus} x {self.cluster.name}, global batch "
+                    f"{self.global_batch} x seq {self.profile.seq_len}: {best.candidate.describe()}\n"
+                    f"# estimated {_ms(best.step_s)} a step, {human(best.memory_bytes, 'B', 1024)} per GPU\n"
+                    f"# micro-batch {best.candidate.micro_batch} of the {per_gpu} sequences per GPU: convert with example "
+                    f"inputs of {best.candidate.micro_batch} sequences and step on all {per_gpu}\n")
+            Path(path).write_text(head + Path(path).read_text())
+        return best.plan
 
     def table(self, top: int = 5) -> str:
         from .explain import table
