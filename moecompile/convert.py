@@ -13,8 +13,7 @@ import torch.nn as nn
 import moecompile.passes  # noqa: F401  (registers the built-in passes)
 
 from .distributed import resolve_world
-from .frontend import (accept_missing_constant_kwargs, accept_positional_by_name, check_input_shapes,
-                       example_kwargs_for, flat_inputs, positional_names, trace)
+from .frontend import example_kwargs_for, flat_inputs, install_call_hooks, trace
 from .history import PassRecord
 from .pass_manager import Options, PassContext, resolve_order, run_passes
 from .plan import Plan
@@ -98,12 +97,7 @@ def convert(
     ctx = PassContext(plan=plan, example_inputs=flat_inputs(example_inputs, kwargs), options=options or Options.from_env(), world=world)
     gm = run_passes(gm, ctx, resolve_order(passes or ()))
     attach_stats_hook(gm)
-    accept_missing_constant_kwargs(gm, kwargs)
-    gm.meta["dynamic"] = dynamic  # the passes' shapes are the example's: only the trace knows what may vary
-    if not dynamic:
-        check_input_shapes(gm)
-    gm.meta["input_names"] = positional_names(model, len(example_inputs))
-    accept_positional_by_name(gm, gm.meta["input_names"])  # runs first: the checks see positions
+    install_call_hooks(gm, model, len(example_inputs), kwargs, dynamic)
     config = getattr(model, "config", None)
     # a Hugging Face config (save_pretrained) is kept as a copy: later edits to the model don't leak in
     source_config = copy.deepcopy(config) if hasattr(config, "save_pretrained") else None

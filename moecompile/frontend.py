@@ -224,3 +224,15 @@ def check_input_shapes(gm: fx.GraphModule) -> None:
                     "sequence); the training step runs a batch of several traced batches as micro-batches")
 
     gm.register_forward_pre_hook(check, prepend=True, with_kwargs=True)  # before export's own guard
+
+
+def install_call_hooks(gm: fx.GraphModule, model: nn.Module, positional: int, example_kwargs: dict[str, Any],
+                       dynamic: bool) -> None:
+    """Make the converted module callable as the model was: inputs by position or name, the constant
+    kwargs optional, and a clear error for a shape a static trace cannot take."""
+    accept_missing_constant_kwargs(gm, example_kwargs)
+    gm.meta["dynamic"] = dynamic  # the passes' shapes are the example's: only the trace knows what may vary
+    if not dynamic:
+        check_input_shapes(gm)
+    gm.meta["input_names"] = positional_names(model, positional)
+    accept_positional_by_name(gm, gm.meta["input_names"])  # runs first: the checks see positions
