@@ -67,6 +67,7 @@ class StepMetrics:
     time_s: float
     expert_load: dict[str, list[int]]  # layer -> tokens routed to each expert, whole global batch
     grad_norm: float | None = None
+    micro_batches: int = 1  # forwards + backwards this rank ran for the step (gradient accumulation)
 
     @property
     def tokens_per_s(self) -> float:
@@ -139,6 +140,7 @@ class TrainStep:
         self.biases = self._expert_biases()
         self.step_count = 0
         self.traced_batch = traced_batch(self.module)
+        self.parts = 1
         self.forward_module: nn.Module = self.module  # a runner may swap in a split copy (same parameters)
         self.autocast_cache = True
         from .cuda_graphs import make_runner
@@ -168,6 +170,7 @@ class TrainStep:
         """
         self.buckets.prepare()
         parts = self.micro_batches(inputs, targets)
+        self.parts = len(parts)  # a captured step replays the count it was captured with
         local, handle = None, None
         for i, (x, y) in enumerate(parts):
             with self._autocast():
@@ -275,7 +278,7 @@ class TrainStep:
             step=self.step_count, loss=flat[0] / dp_size, lm_loss=flat[1] / dp_size,
             router_losses={name: flat[3 + i] / dp_size for i, name in enumerate(names)},
             tokens=int(flat[2]), time_s=seconds, expert_load=load,
-            grad_norm=norm,
+            grad_norm=norm, micro_batches=self.parts,
         )
 
     # ------------------------------------------------------------------ state

@@ -134,6 +134,7 @@ def test_a_batch_of_several_traced_batches_accumulates_their_gradient(data):
     assert len(micro.micro_batches(*data[0])) == 2 and len(whole.micro_batches(*data[0])) == 1
     for i in range(3):
         a, b = micro(data[i]), whole(data[i])
+        assert (a.micro_batches, b.micro_batches) == (2, 1)
         assert a.loss == pytest.approx(b.loss, rel=1e-6) and a.tokens == b.tokens == BATCH * SEQ, i
         assert a.expert_load == b.expert_load, i
     for (name, p), q in zip(results[BATCH // 2].module.named_parameters(), results[BATCH].module.parameters()):
