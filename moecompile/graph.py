@@ -109,7 +109,11 @@ def trace_block(fn: Any, examples: dict[str, torch.Tensor]) -> fx.GraphModule:
     def flat(*args: torch.Tensor) -> Any:
         return fn(**dict(zip(names, args)))
 
-    with fx_traceback.preserve_node_meta():
+    # Without duck shaping every input dim gets its own symbol: a weight dim that happens to equal an
+    # activation dim (E = 8 experts and a sequence of 8) must not stand in for it in the block's views.
+    from torch.fx.experimental import _config as shape_config
+
+    with fx_traceback.preserve_node_meta(), shape_config.patch(use_duck_shape=False):
         return make_fx(flat, tracing_mode="symbolic", pre_dispatch=True)(*[t.detach() for t in examples.values()])
 
 
