@@ -15,7 +15,8 @@ them expert-major. The inverse is the same op on the transposed counts:
 
 On a GPU no host sync: every index is computed on the device from counts_AB. On the CPU,
 where reading counts_AB costs nothing, the blocks are split off and concatenated instead
-(one copy and no index arithmetic: 17 us against 106 us at 512 x 129 rows, 8 blocks).
+(one copy and no index arithmetic; measured ad hoc, the op takes 32 us against 113 us at
+512 x 129 rows in 8 blocks).
 
 `moecompile::pack_row_weights(x_NH, w_N) -> x_NW` appends each row's weight as column H
 (W = H + 1) and `unpack_row_weights(x_NW) -> (x_NH, w_N)` splits it off again, both as

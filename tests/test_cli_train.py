@@ -75,7 +75,7 @@ def test_the_lr_schedule_warms_up_decays_and_resumes_where_it_stopped():
     def opt():
         return torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=args.lr)
 
-    straight, s = opt(), None
+    straight = opt()
     s = lr_scheduler(straight, args, 0)
     lrs = []
     for _ in range(30):

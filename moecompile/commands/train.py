@@ -138,7 +138,7 @@ def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
     if args.batch % world_size:
         raise MoecompileError(f"--batch {args.batch} must be a multiple of the {world_size} ranks")
     per_rank = args.batch // world_size
-    micro = args.micro_batch or per_rank
+    micro = args.micro_batch if args.micro_batch is not None else per_rank
     if micro < 1 or per_rank % micro:
         raise MoecompileError(f"--micro-batch {args.micro_batch} must divide the {per_rank} sequences each rank "
                               f"gets (--batch {args.batch} over {world_size} ranks)")
@@ -263,8 +263,8 @@ def lr_scheduler(optimizer: Any, args: argparse.Namespace, done: int) -> Any:
     from torch.optim.lr_scheduler import LambdaLR
 
     warmup = args.warmup if args.warmup is not None else min(10, args.steps // 10)
-    for group in optimizer.param_groups:
-        group.setdefault("initial_lr", args.lr)
+    for group in optimizer.param_groups:  # this run's --lr, also over a checkpoint's
+        group["initial_lr"] = args.lr
     return LambdaLR(optimizer, lambda i: lr_factor(i, args.schedule, warmup, args.steps, args.min_lr),
                     last_epoch=done - 1)
 

@@ -282,7 +282,8 @@ def _rank_key(est: Estimate) -> tuple:
 
     c = est.candidate
     return (math.floor(math.log(max(est.step_s, 1e-12)) / math.log1p(TIE)), c.plan.parallel.dispatch_mode != "dropless",
-            c.plan.experts.apply_weights == "combine", c.overlap_chunks, len(c.plan.recompute.modules), c.plan.fp8.enabled, -c.micro_batch, est.step_s)
+            c.plan.experts.apply_weights == "combine", c.overlap_chunks, len(c.plan.recompute.modules),
+            c.plan.fp8.enabled, -c.micro_batch, est.step_s)
 
 
 def iter_sections(cand: Candidate) -> dict:
