@@ -111,7 +111,8 @@ def hf_config(result: Any, arch: str, config: Any) -> Any:
     blocks = moe_blocks(result.module)
     plan = result.plan.experts
     info = next(iter(blocks.values()))
-    F_dense = config.intermediate_size
+    F_dense = config.intermediate_size  # the dense layers' (and Mixtral's experts') width
+    F_expert = dict(result.module.named_parameters())[info["params"]["w_out"]].shape[-1]  # F/G, or an adopted block's
     common = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
@@ -130,7 +131,7 @@ def hf_config(result: Any, arch: str, config: Any) -> Any:
     else:
         moe_layers = {int(_LAYER.fullmatch(layer).group(1)) for layer in blocks}
         cfg = transformers.Qwen3MoeConfig(
-            **common, intermediate_size=F_dense, moe_intermediate_size=F_dense // plan.granularity,
+            **common, intermediate_size=F_dense, moe_intermediate_size=F_expert,
             num_experts=plan.num_experts, norm_topk_prob=plan.normalize, decoder_sparse_step=1,
             mlp_only_layers=[i for i in range(config.num_hidden_layers) if i not in moe_layers],
             attention_bias=bool(getattr(config, "attention_bias", False)), head_dim=_head_dim(config),

@@ -61,6 +61,13 @@ MODELS: dict[str, ZooEntry] = {
         _hf("GPT2Config", vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2),
     ),
+    "tiny-mixtral": ZooEntry("Mixtral (an MoE already: 4 experts top-2, adopted as is)",
+                             _hf("MixtralConfig", **_TINY, num_local_experts=4, num_experts_per_tok=2)),
+    "tiny-qwen3-moe": ZooEntry(
+        "Qwen3-MoE (8 experts top-2 of width 32, unnormalised weights; layer 0 dense)",
+        _hf("Qwen3MoeConfig", **_TINY, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=False, mlp_only_layers=[0]),
+    ),
     "small-llama": ZooEntry(
         "Llama, 4 layers, hidden 256, FFN 688, vocab 1024 (for benchmarks)",
         _hf("LlamaConfig", **{**_TINY, "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 688,
@@ -79,13 +86,31 @@ def has_weights(name_or_path: str | Path) -> bool:
     return str(name_or_path) not in MODELS and path.is_dir() and any((path / f).is_file() for f in WEIGHT_FILES)
 
 
+def own_experts(config: Any) -> dict[str, Any]:
+    """The ``experts`` plan fields a model with MoE layers of its own fixes (empty for a dense model).
+
+    Those layers are adopted as they are (pass ``import_moe``), so the plan must say what they are.
+    """
+    num = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not num or not top_k:
+        return {}
+    return {"num_experts": int(num), "top_k": int(top_k), "normalize": bool(getattr(config, "norm_topk_prob", True))}
+
+
 def list_models() -> list[tuple[str, str]]:
     """(name, description) of every zoo model."""
     return [(name, entry.description) for name, entry in MODELS.items()]
 
 
-def load_config(name_or_config_path: str | Path) -> Any:
-    """The Hugging Face config of a zoo name, a config.json, or a directory holding one."""
+def load_config(name_or_config_path: str | Path, **overrides: Any) -> Any:
+    """The Hugging Face config of a zoo name, a config.json, or a directory holding one; ``overrides`` set fields."""
+    config = _read_config(name_or_config_path)
+    _apply_overrides(config, overrides)
+    return config
+
+
+def _read_config(name_or_config_path: str | Path) -> Any:
     key = str(name_or_config_path)
     if key in MODELS:
         return MODELS[key].config()
@@ -142,8 +167,7 @@ def build_model(
     """A randomly initialised causal LM in train mode, and example token ids ``[batch_size, seq_len]``."""
     from transformers import AutoModelForCausalLM
 
-    config = load_config(name_or_config_path)
-    _apply_overrides(config, config_overrides)
+    config = load_config(name_or_config_path, **config_overrides)
     if batch_size < 1 or seq_len < 1:
         raise MoecompileError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
     max_pos = getattr(config, "max_position_embeddings", None)

@@ -51,7 +51,7 @@ _REGISTRY: dict[str, PassSpec] = {}
 _VERIFIERS: dict[str, list[Verifier]] = {}
 
 # The built-in pipeline, in order; user passes slot in with after= / before=.
-PIPELINE: list[str] = ["find_ffn", "upcycle", "expert_parallel", "overlap", "fp8", "recompute"]
+PIPELINE: list[str] = ["import_moe", "find_ffn", "upcycle", "expert_parallel", "overlap", "fp8", "recompute"]
 
 
 def _as_tuple(x: str | Iterable[str] | None) -> tuple[str, ...]:

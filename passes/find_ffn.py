@@ -131,7 +131,7 @@ def find_ffn(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 intermediate=w_down.shape[0] if transposed else w_down.shape[1],
             )
             found.append((out, inner, info))
-    if not found:
+    if not found and not any("moe" in moe(n) for n in gm.graph.nodes):  # no FFN, and no MoE block adopted
         raise PassError(
             "find_ffn",
             ctx.passes_run,

@@ -122,18 +122,28 @@ _PARAM_NAMES = {
 _ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu}
 
 
-def _register(gm: fx.GraphModule, layer: str, info: FFNInfo, cfg: ExpertsConfig, seed: int) -> dict[str, str]:
-    """Add the block's parameters under the FFN's own module path; returns key -> name."""
-    names = dict(_PARAM_NAMES[info["kind"] == "glu"])
+def register_block(gm: fx.GraphModule, layer: str, tensors: dict[str, torch.Tensor], glu: bool,
+                   cfg: ExpertsConfig) -> dict[str, str]:
+    """Add a block's tensors under the layer's module path, by moecompile's names; returns key -> name.
+
+    ``tensors`` keys: "router", "w_in", "w_out", and optionally biases and shared experts.
+    The selection bias (``experts.expert_bias``) is added here, zero, as a buffer.
+    """
+    names = dict(_PARAM_NAMES[glu])
     names |= {f"shared_{k}": n.replace("experts.", "shared_experts.") for k, n in names.items()}
     names |= {"router": "router.weight", "bias": "router.expert_bias"}
     prefix = f"{layer}." if layer else ""
+    if cfg.expert_bias:
+        tensors = {**tensors, "bias": torch.zeros(cfg.num_experts, device=tensors["w_in"].device)}
+    return {k: add_parameter(gm, prefix + names[k], t, requires_grad=k != "bias") for k, t in tensors.items()}
+
+
+def upcycled_tensors(gm: fx.GraphModule, layer: str, info: FFNInfo, cfg: ExpertsConfig, seed: int) -> dict[str, torch.Tensor]:
+    """The block's tensors by granular upcycling of the dense FFN ``info``, router seeded by the layer."""
     tensors = expert_weights(gm, info, cfg)
     w_in = tensors["w_in"]  # the router lives where the FFN did (its generator stays on the CPU)
     tensors["router"] = router_weight(cfg, info["hidden"], w_in.dtype, _generator(seed, layer)).to(w_in.device)
-    if cfg.expert_bias:
-        tensors["bias"] = torch.zeros(cfg.num_experts, device=w_in.device)
-    return {k: add_parameter(gm, prefix + names[k], t, requires_grad=k != "bias") for k, t in tensors.items()}
+    return tensors
 
 
 def weights_at(cfg: ExpertsConfig, info: FFNInfo, layer: str) -> str:
@@ -249,35 +259,22 @@ def upcycle(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     by_name = {n.name: n for n in gm.graph.nodes}
     ffns = [n for n in gm.graph.nodes if "ffn" in n.meta.get("moe", {})]
     converted = []
-    load_group = _load_group(ctx)
+    # A model with MoE layers of its own (import_moe) keeps its dense FFNs unless the plan lists them.
+    adopted = any("moe" in moe(n) for n in gm.graph.nodes)
+    if adopted and ffns and cfg.layers == "all":
+        ctx.decide(f"left {len(ffns)} dense FFN(s) dense: the model has MoE layers of its own; name them in "
+                   "experts.layers to upcycle them too")
+        ffns = []
     for out in ffns:
         info: FFNInfo = moe(out)["ffn"]
         layer = moe(out)["layer"]
         if not cfg.selects(moe(out)["ffn_index"], layer):
             continue
         x = by_name[info["input"]]
-        x_val = x.meta["val"]
-        tokens = x_val.shape[:-1].numel()
-        capacity = cfg.capacity(int(tokens))
-        params = _register(gm, layer, info, cfg, ctx.plan.experts.seed)
-        values = {k: get_attr_value(gm, n) for k, n in params.items()}
+        params = register_block(gm, layer, upcycled_tensors(gm, layer, info, cfg, cfg.seed), info["kind"] == "glu", cfg)
         where = weights_at(cfg, info, layer)
-        block = trace_block(moe_block(cfg, info["act"], info["kind"] == "glu", capacity, load_group, where),
-                            {"x": torch.zeros(x_val.shape, dtype=x_val.dtype, device=x_val.device), **values})
-        existing = set(gm.graph.nodes)
-        with gm.graph.inserting_before(out):
-            attrs = [gm.graph.get_attr(n) for n in params.values()]
-        y, side = inline(gm.graph, block, [x, *attrs], anchor=out)
-        _stamp([n for n in gm.graph.nodes if n not in existing], out, layer)
-        out.replace_all_uses_with(y)
+        capacity = insert_block(gm, ctx, out, x, layer, params, info["act"], info["kind"] == "glu", where)
         _erase_ffn(gm, info, by_name)
-        add_side_outputs(gm, layer, side)
-        moe_info = MoEInfo(
-            num_experts=cfg.num_experts, top_k=cfg.top_k, granularity=cfg.granularity, shared_experts=cfg.shared_experts,
-            act=info["act"], glu=info["kind"] == "glu", params=params, nodes={}, expert_range=(0, cfg.num_experts),
-            weights_at=where,
-        )
-        set_moe(y, layer=layer, role=Role.COMBINE, moe=moe_info)
         converted.append(layer)
         ctx.decide(
             f"{layer or '<root>'}: {info['kind']} FFN -> {cfg.num_experts} experts top-{cfg.top_k} (G={cfg.granularity}, "
@@ -286,6 +283,34 @@ def upcycle(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         )
     ctx.record(layers=converted)
     return gm
+
+
+def insert_block(gm: fx.GraphModule, ctx: PassContext, out: fx.Node, x: fx.Node, layer: str, params: dict[str, str],
+                 act: str, glu: bool, where: str) -> int:
+    """Build the MoE block on ``x`` from ``params``, route ``out``'s users to it; returns its capacity.
+
+    The block's output node carries the :class:`MoEInfo`; its router losses and load become
+    side outputs. ``out`` and what only it used are left for the caller to erase.
+    """
+    cfg = ctx.plan.experts
+    x_val = x.meta["val"]
+    capacity = cfg.capacity(int(x_val.shape[:-1].numel()))
+    values = {k: get_attr_value(gm, n) for k, n in params.items()}
+    block = trace_block(moe_block(cfg, act, glu, capacity, _load_group(ctx), where),
+                        {"x": torch.zeros(x_val.shape, dtype=x_val.dtype, device=x_val.device), **values})
+    existing = set(gm.graph.nodes)
+    with gm.graph.inserting_before(out):
+        attrs = [gm.graph.get_attr(n) for n in params.values()]
+    y, side = inline(gm.graph, block, [x, *attrs], anchor=out)
+    _stamp([n for n in gm.graph.nodes if n not in existing], out, layer)
+    out.replace_all_uses_with(y)
+    add_side_outputs(gm, layer, side)
+    moe_info = MoEInfo(
+        num_experts=cfg.num_experts, top_k=cfg.top_k, granularity=cfg.granularity, shared_experts=cfg.shared_experts,
+        act=act, glu=glu, params=params, nodes={}, expert_range=(0, cfg.num_experts), weights_at=where,
+    )
+    set_moe(y, layer=layer, role=Role.COMBINE, moe=moe_info)
+    return capacity
 
 
 def _load_group(ctx: PassContext) -> tuple[str, int] | None:

@@ -101,11 +101,11 @@ def _key_value(item: str, what: str) -> tuple[str, Any]:
     return key.strip(), _parse_value(value)
 
 
-def load_plan(path: str | None, sets: list[str]) -> Any:
-    """The plan file (or defaults) with each ``section.field=value`` applied, validated."""
+def load_plan(path: str | None, sets: list[str], experts: dict[str, Any] | None = None) -> Any:
+    """The plan file (or the defaults, with ``experts`` fields) with each ``section.field=value`` applied."""
     from ..plan import Plan
 
-    return apply_sets(Plan.from_file(path) if path else Plan(), sets)
+    return apply_sets(Plan.from_file(path) if path else Plan.from_dict({"experts": experts or {}}), sets)
 
 
 def apply_sets(plan: Any, sets: list[str]) -> Any:
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     from .. import convert
     from ..diff import diff
     from ..errors import MoecompileError
-    from ..models import build_model
+    from ..models import build_model, load_config, own_experts
     from ..report import render_markdown, render_report, report_rows
     from ..visualize import FORMATS, visualize
 
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as e:
             raise MoecompileError(f"--import {module}: {e}") from e
     overrides = dict(_key_value(item, "--config") for item in args.configs)
-    plan = load_plan(args.plan, args.sets)
+    plan = load_plan(args.plan, args.sets, experts=own_experts(load_config(args.model, **overrides)))
     model, example = build_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed, **overrides)
     start = time.perf_counter()
     result = convert(model, plan, example, passes=[p for p in args.passes.split(",") if p])

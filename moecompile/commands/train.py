@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", dest="configs", action="append", default=[], metavar="FIELD=VALUE",
                    help="override a field of the model's config (repeatable), e.g. num_hidden_layers=4")
     p.add_argument("--plan", default=None, metavar="PLAN.yaml",
-                   help="the plan (default: 8 experts top-2, aux loss 0.01, router noise 0.01; ep = --nproc)")
+                   help="the plan (default: 8 experts top-2, aux loss 0.01, router noise 0.01; ep = --nproc; a model "
+                        "with MoE layers of its own keeps its experts)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="change one plan field (repeatable), e.g. parallel.dispatcher=allgather")
     p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn over gloo (default 2; ignored "
@@ -124,13 +125,16 @@ def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
     from .. import convert
     from .. import distributed
     from ..errors import MoecompileError
-    from ..models import build_model, has_weights, load_config
+    from ..models import build_model, has_weights, load_config, own_experts
     from ..train_step import build_train_step
     from .inspect import _key_value, apply_sets, load_plan
 
-    from ..plan import Plan
-
-    plan = load_plan(args.plan, []) if args.plan else Plan.from_dict(DEFAULT_PLAN)
+    overrides = dict(_key_value(c, "--config") for c in args.configs)
+    model = args.model or DEFAULT_MODEL
+    if args.model is None:
+        overrides = {**DEFAULT_MODEL_CONFIG, **overrides}
+    # a model with MoE layers of its own (Mixtral, Qwen3-MoE) fixes the experts fields of the default plan
+    plan = load_plan(args.plan, [], experts={**DEFAULT_PLAN["experts"], **own_experts(load_config(model, **overrides))})
     if world_size > 1 and not _plan_sets_ep(args):  # one expert shard per rank unless told otherwise
         plan = apply_sets(plan, [f"parallel.ep={world_size}"])
     if args.sets:
@@ -148,10 +152,6 @@ def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
     world = None
     if world_size > 1:
         world = distributed.init(plan)
-    overrides = dict(_key_value(c, "--config") for c in args.configs)
-    model = args.model or DEFAULT_MODEL
-    if args.model is None:
-        overrides = {**DEFAULT_MODEL_CONFIG, **overrides}
     if has_weights(model):  # a trained checkpoint fixes its shapes: check instead of overriding
         if load_config(model).vocab_size < 256:
             raise MoecompileError(f"{model} has a vocabulary of {load_config(model).vocab_size} tokens; the "
@@ -209,7 +209,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
         from ..models import has_weights
 
         source = f"{args.model} (weights loaded)" if has_weights(args.model or "") else args.model or DEFAULT_MODEL
-        print(f"moecompile train: {source} -> {e.num_experts} experts top-{e.top_k} "
+        how = "its own MoE layers: " if s.result.record("import_moe").data.get("layers") else "-> "
+        print(f"moecompile train: {source} {how}{e.num_experts} experts top-{e.top_k} "
               f"(G={e.granularity}), ep={s.plan.parallel.ep} over {world_size} rank(s) "
               f"({s.plan.parallel.dispatcher}, {s.plan.parallel.dispatch_mode}); {n_params:,} parameters on this rank; "
               f"batch {args.batch} x {args.seq} bytes of {len(text):,} bytes of text"
@@ -233,9 +234,9 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
     val = _held_out_loss(s, held_out, rank, world_size)
     summary = _summary(history, seconds, val, ckpt)
     if args.export_hf:
-        from ..export_hf import export_hf
+        from ..export_hf import arch_for, export_hf
 
-        arch = "qwen3_moe" if getattr(s.dense.config, "model_type", "") == "qwen3" else "mixtral"
+        arch = arch_for(getattr(s.dense.config, "model_type", None))
         export_hf(s.result, args.export_hf, arch=arch, config=s.dense.config, world=s.world)
         summary["exported"] = f"{args.export_hf} ({arch})"
     if lead:

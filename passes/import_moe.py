@@ -1,0 +1,196 @@
+"""Pass ``import_moe``: adopt the MoE blocks a model already has (Mixtral, Qwen3-MoE, OLMoE...).
+
+Hugging Face's MoE layers (transformers 5) keep their experts fused, in moecompile's own layout::
+
+    <layer>.gate.weight              [E, H]       router (softmax -> top-k [-> renormalise])
+    <layer>.experts.gate_up_proj     [E, 2F, H]   gate rows first
+    <layer>.experts.down_proj        [E, H, F]
+
+Each such block is replaced by moecompile's (the one ``upcycle`` builds), holding the same
+tensors, so expert parallelism, overlap, FP8, recompute, the train step and ``export_hf``
+treat it like an upcycled layer. What the block does is read from its graph (top-k, the
+score function, the renormalisation, the activation) and then checked, not trusted: the
+new block must reproduce the old one on the activations the example inputs produce.
+
+The plan describes the experts the model has: ``experts.num_experts``, ``top_k``, ``score``
+and ``normalize`` must equal the model's (a :class:`PlanError` says which to set), and
+granularity / shared experts, which only mean something when upcycling, must be 1 / 0.
+Anything else in a block (a shared expert, a selection bias, jitter noise, router logits
+used outside it) is an :class:`UnsupportedMoE` error that names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+
+from moecompile.errors import MoecompileError, PlanError
+from moecompile.graph import clean_path, delete_unused_attrs, get_attr_value, module_chain
+from moecompile.pass_manager import PassContext, register_pass
+from moecompile.plan import ExpertsConfig
+
+from .upcycle import insert_block, moe_block, register_block
+
+aten = torch.ops.aten
+
+# block tensor key -> Hugging Face parameter name under the block's module path
+HF_NAMES = {"router": "gate.weight", "w_in": "experts.gate_up_proj", "w_out": "experts.down_proj"}
+_ACTS = {aten.silu.default: "silu", aten.relu.default: "relu", aten.gelu.default: "gelu"}
+_SCORES = {aten.softmax.int: "softmax", aten._softmax.default: "softmax", aten.sigmoid.default: "sigmoid"}
+_RANDOM = {aten.uniform_.default, aten.uniform.default, aten.rand_like.default, aten.randn_like.default,
+           aten.normal_.default}
+
+
+class UnsupportedMoE(MoecompileError):
+    """A model's MoE block computes something moecompile's block does not; the message names what."""
+
+
+@dataclasses.dataclass
+class ExistingBlock:
+    """One Hugging Face MoE block found in the graph, and what it computes."""
+
+    layer: str  # its module path
+    kind: str  # its class name, for messages
+    nodes: list[fx.Node]  # every node traced from inside it, in graph order
+    x: fx.Node  # its input [..., H]
+    out: fx.Node  # its output, the one value used outside it
+    params: dict[str, str]  # "router" / "w_in" / "w_out" -> parameter name
+    num_experts: int
+    top_k: int
+    score: str
+    normalize: bool
+    act: str
+
+
+def find_blocks(gm: fx.GraphModule) -> list[ExistingBlock]:
+    """Every block whose fused expert tensors sit under one module path, read from its nodes."""
+    suffix = "." + HF_NAMES["w_in"]
+    layers = sorted({n.target[: -len(suffix)] for n in gm.graph.nodes
+                     if n.op == "get_attr" and n.target.endswith(suffix)})
+    return [_read_block(gm, layer) for layer in layers]
+
+
+def _read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
+    nodes = [n for n in gm.graph.nodes if layer in module_chain(n)]
+    if not nodes:
+        raise UnsupportedMoE(f"{layer} holds expert tensors but no traced node comes from it")
+    kind = next(str(t) for p, t in nodes[0].meta["nn_module_stack"].values() if clean_path(p) == layer)
+    kind = kind.rsplit(".", 1)[-1].strip("'>")
+    inside = set(nodes)
+
+    def fail(what: str, fix: str) -> None:
+        raise UnsupportedMoE(f"{layer} ({kind}): {what}; {fix}")
+
+    attrs = {a.target for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}
+    params = {k: f"{layer}.{v}" for k, v in HF_NAMES.items()}
+    extra = sorted(attrs - set(params.values()))
+    if extra:
+        fail(f"it reads {', '.join(extra)} beside the router and the experts (a shared expert, a selection "
+             "bias or expert biases)", "moecompile adopts blocks of a router and fused GLU experts only")
+    if any(n.target in _RANDOM for n in nodes):
+        fail("it draws random numbers (router jitter noise)", "set config.router_jitter_noise = 0 before tracing")
+    tensors = [a for n in nodes for a in n.all_input_nodes
+               if a not in inside and a.op != "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)]
+    if len(set(tensors)) != 1:
+        fail(f"it takes {len(set(tensors))} tensor inputs", "an MoE block maps one hidden-state tensor")
+    outs = [n for n in nodes if any(u not in inside for u in n.users)]
+    if len(outs) != 1:
+        fail(f"{len(outs)} of its values are used outside it (router logits returned too?)",
+             "set config.output_router_logits = False: moecompile computes the router losses the plan asks for")
+    topk = [n for n in nodes if n.target is aten.topk.default]
+    if len(topk) != 1 or topk[0].args[0].target not in _SCORES:
+        fail("its router is not one top-k over softmax or sigmoid scores", "moecompile adopts plain top-k routers")
+    values = next(u for u in topk[0].users if u.args[1] == 0)
+    normalize = any(n.target in (aten.div.Tensor, aten.div_.Tensor) and n.args[0] is values for n in nodes)
+    acts = [n for n in nodes if n.target in _ACTS]
+    if len({(a.target, a.kwargs.get("approximate"), a.args[1:]) for a in acts}) != 1:
+        fail("its expert activation is not one silu / gelu / relu", "moecompile's experts are GLUs of one of those")
+    act = _ACTS[acts[0].target]
+    if act == "gelu" and ("tanh" in acts[0].args[1:] or acts[0].kwargs.get("approximate") == "tanh"):
+        act = "gelu_tanh"
+    w_in, w_out = (get_attr_value(gm, params[k]) for k in ("w_in", "w_out"))
+    if w_in.dim() != 3 or w_out.dim() != 3 or w_in.shape[1] != 2 * w_out.shape[2]:
+        fail(f"its experts are {tuple(w_in.shape)} and {tuple(w_out.shape)}, not gated [E, 2F, H] / [E, H, F]",
+             "moecompile adopts fused GLU experts")
+    return ExistingBlock(layer, kind, nodes, tensors[0], outs[0], params, int(w_in.shape[0]), int(topk[0].args[1]),
+                         _SCORES[topk[0].args[0].target], normalize, act)
+
+
+def check_plan(cfg: ExpertsConfig, block: ExistingBlock) -> None:
+    """The plan must describe the experts the model has; the error says what to set."""
+    for field in ("num_experts", "top_k", "score", "normalize"):
+        want = getattr(block, field)
+        if getattr(cfg, field) != want:
+            raise PlanError(f"experts.{field}", getattr(cfg, field),
+                            f"{block.layer} is already a {block.kind} with {field} = {want!r}; the plan describes "
+                            f"the experts the model has: set experts.{field}: {str(want).lower()}")
+    for field, want in (("granularity", 1), ("shared_experts", 0)):
+        if getattr(cfg, field) != want:
+            raise PlanError(f"experts.{field}", getattr(cfg, field),
+                            f"{block.layer} ({block.kind}) already has its experts; {field} applies when "
+                            f"upcycling a dense FFN: set experts.{field}: {want}")
+
+
+def block_io(gm: fx.GraphModule, inputs: list, blocks: list[ExistingBlock]) -> dict[fx.Node, torch.Tensor]:
+    """Each block's input and output on the example inputs (one run of the graph as traced)."""
+    wanted = {n for b in blocks for n in (b.x, b.out)}
+    seen: dict[fx.Node, torch.Tensor] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node):
+            value = super().run_node(n)
+            if n in wanted:
+                seen[n] = value.detach().clone()
+            return value
+
+    with torch.no_grad():
+        Recorder(gm).run(*inputs)
+    return seen
+
+
+def check_reproduces(gm: fx.GraphModule, cfg: ExpertsConfig, block: ExistingBlock, where: str, x: torch.Tensor,
+                     want: torch.Tensor) -> float:
+    """moecompile's block (dropless) on the recorded input must give the recorded output; returns the error."""
+    tensors = {k: get_attr_value(gm, n).detach() for k, n in block.params.items()}
+    bias = torch.zeros(cfg.num_experts, device=x.device) if cfg.expert_bias else None
+    with torch.no_grad():
+        got, _ = moe_block(cfg, block.act, True, 0, weights_at=where)(
+            x, tensors["router"], tensors["w_in"], tensors["w_out"], bias)
+    error = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))
+    tolerance = 1e-4 if want.dtype == torch.float32 else 3e-2
+    if not error <= tolerance:
+        read_as = (f"{block.num_experts} experts top-{block.top_k} {block.score} "
+                   f"{'renormalised' if block.normalize else 'unnormalised'} {block.act} GLUs")
+        raise UnsupportedMoE(
+            f"{block.layer} ({block.kind}): moecompile's block, read as {read_as}, differs from it by {error:.2e} "
+            f"(relative max, tolerance {tolerance:g}), so the block computes something else; write a pass "
+            "for it, or convert its dense source instead")
+    return error
+
+
+@register_pass("import_moe", before="find_ffn", provides=("moe",))
+def import_moe(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    cfg = ctx.plan.experts
+    blocks = find_blocks(gm)
+    for block in blocks:
+        check_plan(cfg, block)
+    recorded = block_io(gm, ctx.example_inputs, blocks) if blocks else {}
+    for block in blocks:
+        where = "combine" if cfg.apply_weights == "combine" else "activation"  # GLUs without a bias: either
+        error = check_reproduces(gm, cfg, block, where, recorded[block.x], recorded[block.out])
+        tensors = {k: get_attr_value(gm, n) for k, n in block.params.items()}
+        params = register_block(gm, block.layer, tensors, True, cfg)
+        capacity = insert_block(gm, ctx, block.out, block.x, block.layer, params, block.act, True, where)
+        for n in reversed(block.nodes):  # users before what they use
+            if not n.users:
+                gm.graph.erase_node(n)
+        delete_unused_attrs(gm, list(block.params.values()))
+        ctx.decide(
+            f"{block.layer}: adopted {block.kind}, {block.num_experts} experts top-{block.top_k} {block.act} GLU "
+            f"({'dropless' if not capacity else f'capacity {capacity}'}, routing weights at the {where}); "
+            f"reproduces it to {error:.1e}"
+        )
+    ctx.record(layers=[b.layer for b in blocks])
+    return gm
