@@ -25,6 +25,7 @@ import dataclasses
 
 import torch
 import torch.fx as fx
+from torch.fx.passes.infra.pass_base import PassResult
 
 from moecompile.errors import MoecompileError, PlanError
 from moecompile.graph import clean_path, delete_unused_attrs, get_attr_value, module_chain
@@ -64,15 +65,14 @@ class ExistingBlock:
     act: str
 
 
-def find_blocks(gm: fx.GraphModule) -> list[ExistingBlock]:
-    """Every block whose fused expert tensors sit under one module path, read from its nodes."""
+def find_blocks(gm: fx.GraphModule) -> list[str]:
+    """The module path of every block whose fused expert tensors sit under it."""
     suffix = "." + HF_NAMES["w_in"]
-    layers = sorted({n.target[: -len(suffix)] for n in gm.graph.nodes
-                     if n.op == "get_attr" and n.target.endswith(suffix)})
-    return [_read_block(gm, layer) for layer in layers]
+    return sorted({n.target[: -len(suffix)] for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith(suffix)})
 
 
-def _read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
+def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
+    """What the block at ``layer`` computes, read from its nodes; what moecompile's block can't be is an error."""
     nodes = [n for n in gm.graph.nodes if layer in module_chain(n)]
     if not nodes:
         raise UnsupportedMoE(f"{layer} holds expert tensors but no traced node comes from it")
@@ -81,7 +81,8 @@ def _read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
     inside = set(nodes)
 
     def fail(what: str, fix: str) -> None:
-        raise UnsupportedMoE(f"{layer} ({kind}): {what}; {fix}")
+        raise UnsupportedMoE(f"{layer} ({kind}): {what}; {fix} (or set experts.adopt: false to leave the "
+                             "model's MoE blocks as they are)")
 
     attrs = {a.target for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}
     params = {k: f"{layer}.{v}" for k, v in HF_NAMES.items()}
@@ -171,26 +172,36 @@ def check_reproduces(gm: fx.GraphModule, cfg: ExpertsConfig, block: ExistingBloc
 
 
 @register_pass("import_moe", before="find_ffn", provides=("moe",))
-def import_moe(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def import_moe(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     cfg = ctx.plan.experts
-    blocks = find_blocks(gm)
+    layers = find_blocks(gm)
+    if layers and not cfg.adopt:
+        ctx.decide(f"left {len(layers)} MoE block(s) of the model as they are (experts.adopt: false)")
+        ctx.record(layers=[])
+        return PassResult(gm, False)
+    blocks = [read_block(gm, layer) for layer in layers]
     for block in blocks:
         check_plan(cfg, block)
-    recorded = block_io(gm, ctx.example_inputs, blocks) if blocks else {}
+    # meta tensors (a planner's trace) have no values to check against
+    on_meta = any(get_attr_value(gm, n).is_meta for b in blocks for n in b.params.values())
+    recorded = block_io(gm, ctx.example_inputs, blocks) if blocks and not on_meta else {}
     for block in blocks:
         where = "combine" if cfg.apply_weights == "combine" else "activation"  # GLUs without a bias: either
-        error = check_reproduces(gm, cfg, block, where, recorded[block.x], recorded[block.out])
+        check = "not checked (meta tensors)"
+        if not on_meta:
+            error = check_reproduces(gm, cfg, block, where, recorded[block.x], recorded[block.out])
+            check = f"reproduces it to {error:.1e}"
         tensors = {k: get_attr_value(gm, n) for k, n in block.params.items()}
         params = register_block(gm, block.layer, tensors, True, cfg)
         capacity = insert_block(gm, ctx, block.out, block.x, block.layer, params, block.act, True, where)
-        for n in reversed(block.nodes):  # users before what they use
+        hf_attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in block.params.values()]
+        for n in [*reversed(block.nodes), *hf_attrs]:  # users before what they use
             if not n.users:
                 gm.graph.erase_node(n)
         delete_unused_attrs(gm, list(block.params.values()))
         ctx.decide(
             f"{block.layer}: adopted {block.kind}, {block.num_experts} experts top-{block.top_k} {block.act} GLU "
-            f"({'dropless' if not capacity else f'capacity {capacity}'}, routing weights at the {where}); "
-            f"reproduces it to {error:.1e}"
+            f"({'dropless' if not capacity else f'capacity {capacity}'}, routing weights at the {where}); {check}"
         )
-    ctx.record(layers=[b.layer for b in blocks])
-    return gm
+    ctx.record(layers=layers)
+    return PassResult(gm, bool(blocks))

@@ -43,7 +43,7 @@ def test_inspect_writes_report_html_and_svg_per_pass(tmp_path):
     assert "wrote " in printed and str(out) in printed
 
     passes = [p.stem.split("_", 1)[1] for p in sorted(out.glob("[0-9][0-9]_*.py"))]
-    assert passes[:3] == ["trace", "find_ffn", "upcycle"]
+    assert passes[:4] == ["trace", "import_moe", "find_ffn", "upcycle"]
     for i, name in enumerate(passes):
         assert any(line.startswith(name + " ") for line in printed.splitlines()), name  # a report row each
         for ext in ("html", "svg", "py"):
@@ -51,21 +51,21 @@ def test_inspect_writes_report_html_and_svg_per_pass(tmp_path):
         if i:
             assert (out / f"{i:02d}_{name}.diff").exists()
     # the upcycle picture holds the upcycled graph, node for node
-    code = (out / "02_upcycle.py").read_text()
+    code = (out / "03_upcycle.py").read_text()
     assert "torch.ops.moecompile.grouped_mm.default" in code
-    html = (out / "02_upcycle.html").read_text()
+    html = (out / "03_upcycle.html").read_text()
     data = json.loads(re.search(r'id="graph-data">(.*?)</script>', html, re.S).group(1))
     assert data["title"] == "after upcycle" and any(n["role"] == "experts" for n in data["nodes"])
-    assert _svg_node_count(out / "02_upcycle.svg") == len(data["nodes"])
-    assert "+    route = torch.ops.moecompile.route.default" in (out / "02_upcycle.diff").read_text()
+    assert _svg_node_count(out / "03_upcycle.svg") == len(data["nodes"])
+    assert "+    route = torch.ops.moecompile.route.default" in (out / "03_upcycle.diff").read_text()
 
     report = (out / "report.md").read_text()
-    assert "| upcycle |" in report and "### upcycle" in report and "[svg](02_upcycle.svg)" in report
+    assert "| upcycle |" in report and "### upcycle" in report and "[svg](03_upcycle.svg)" in report
     assert "- model.layers.1.mlp: glu FFN -> 4 experts top-2" in report
     saved = Plan.from_file(out / "plan.yaml")
     assert (saved.experts.num_experts, saved.experts.aux_loss) == (4, "aux")
     index = (out / "index.html").read_text()
-    assert 'href="02_upcycle.html"' in index and 'href="report.md"' in index
+    assert 'href="03_upcycle.html"' in index and 'href="report.md"' in index
 
 
 def test_inspect_a_config_json_one_layer(tmp_path, capsys):
@@ -81,7 +81,7 @@ def test_inspect_a_config_json_one_layer(tmp_path, capsys):
     report = (out / "report.md").read_text()
     assert "transformer.h.2.mlp: mlp FFN -> 2 experts top-1" in report
     assert not list(out.glob("*.svg"))
-    data = json.loads(re.search(r'id="graph-data">(.*?)</script>', (out / "02_upcycle.html").read_text(), re.S).group(1))
+    data = json.loads(re.search(r'id="graph-data">(.*?)</script>', (out / "03_upcycle.html").read_text(), re.S).group(1))
     assert data["title"] == "after upcycle · transformer.h.1"
     assert {g["path"] for g in data["groups"]} >= {"transformer.h.1", "transformer.h.1.mlp"}
     assert "transformer.h.0" not in {g["path"] for g in data["groups"]}

@@ -15,7 +15,8 @@ PLAN = {"experts": {"num_experts": 4, "top_k": 2}}
 
 def test_history_records_every_pass(llama, ids):
     result = mc.convert(llama, PLAN, (ids,))
-    assert [r.name for r in result.history][:3] == ["trace", "find_ffn", "upcycle"]
+    assert [r.name for r in result.history][:4] == ["trace", "import_moe", "find_ffn", "upcycle"]
+    assert not result.record("import_moe").data["layers"]  # a dense model: nothing to adopt
     up = result.record("upcycle")
     assert up.num_nodes > result.record("find_ffn").num_nodes
     assert up.num_params > result.record("trace").num_params
@@ -99,13 +100,13 @@ def test_verifier_runs_after_its_pass_and_every_later_one(llama, ids):
 def test_dump_dir_gets_the_code_after_every_pass(llama, ids, tmp_path):
     mc.convert(llama, PLAN, (ids,), options=mc.Options(dump_dir=tmp_path))
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files[:3] == ["00_trace.py", "01_find_ffn.py", "02_upcycle.py"]
+    assert files[:4] == ["00_trace.py", "01_import_moe.py", "02_find_ffn.py", "03_upcycle.py"]
     assert len(files) == len(mc.convert(llama, PLAN, (ids,)).history)
-    assert "moecompile.permute" in (tmp_path / "02_upcycle.py").read_text()
+    assert "moecompile.permute" in (tmp_path / "03_upcycle.py").read_text()
 
 
 def test_builtin_pipeline_is_one_ordered_list():
-    assert PIPELINE[:2] == ["find_ffn", "upcycle"]
+    assert PIPELINE[:3] == ["import_moe", "find_ffn", "upcycle"]
 
 
 def test_custom_pass_example_runs(capsys):

@@ -231,7 +231,7 @@ def test_code_diff_shows_the_ffn_replaced_by_routed_experts(result):
     assert sum("torch.ops.moecompile.route.default" in line for line in added) == L
     assert sum("torch.ops.moecompile.grouped_mm.default" in line for line in added) == 2 * L
     assert not any("moecompile" in line for line in removed)
-    assert mc.diff(result, "find_ffn") == "# find_ffn left the generated code exactly as trace did"
+    assert mc.diff(result, "find_ffn") == "# find_ffn left the generated code exactly as import_moe did"
 
 
 def test_node_diff_counts_and_names_changes(result, rows):
@@ -256,7 +256,7 @@ def test_result_methods(result):
 
 
 def test_diff_errors_and_before(result):
-    with pytest.raises(MoecompileError, match="no pass named 'nope' ran; ran: trace, find_ffn, upcycle"):
+    with pytest.raises(MoecompileError, match="no pass named 'nope' ran; ran: trace, import_moe, find_ffn, upcycle"):
         mc.diff(result, "nope")
     with pytest.raises(MoecompileError, match="nothing ran before it"):
         mc.diff(result, "trace")

@@ -27,6 +27,10 @@ class ExpertsConfig(Section):
     layers: Union[str, list] = doc_field(
         "all", "'all', 'every:N' (FFN 0, N, 2N, ...), or a list of module paths / regexes (full match)."
     )
+    adopt: bool = doc_field(
+        True, "Adopt the MoE layers the model already has (Mixtral, Qwen3-MoE...: pass import_moe; the fields "
+        "above must then describe them). false leaves them as the model's own code and upcycles dense FFNs only."
+    )
     score: Literal["softmax", "sigmoid"] = doc_field("softmax", "Router score function.")
     normalize: bool = doc_field(True, "Renormalise the top-k weights to sum to 1 (needed for exact upcycling).")
     apply_weights: Literal["auto", "activation", "combine"] = doc_field(

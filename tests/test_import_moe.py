@@ -1,0 +1,217 @@
+"""import_moe: a Hugging Face MoE model (Mixtral, Qwen3-MoE, OLMoE) converted as it is.
+
+Oracles: the Hugging Face model itself (same logits and the same gradients, by parameter, at
+conversion), a single process (ep=2 matches it step for step), and the exported checkpoint
+(from_pretrained gives the trained model's logits).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moecompile as mc
+from _dist import spawn
+from moecompile.errors import PassError
+from moecompile.models import build_model, own_experts
+
+VOCAB = 128
+
+
+def hf_moe(name: str, **config):
+    model, (ids,) = build_model(name, **config)
+    return model, ids
+
+
+def converted(name: str, config: dict | None = None, **experts):
+    model, ids = hf_moe(name, **(config or {}))
+    plan = {"experts": {**own_experts(model.config), **experts}}
+    return model, ids, mc.convert(model, plan, (ids,))
+
+
+def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+# HF name of each adopted tensor -> moecompile's
+RENAMES = {"gate.weight": "router.weight", "experts.gate_up_proj": "experts.w_gate_up",
+           "experts.down_proj": "experts.w_down"}
+
+
+def moecompile_name(hf_name: str) -> str:
+    for old, new in RENAMES.items():
+        if hf_name.endswith("mlp." + old):
+            return hf_name[: -len(old)] + new
+    return hf_name
+
+
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3-moe"])
+def test_adopted_model_gives_the_hf_logits_and_gradients(name):
+    model, ids, result = converted(name)
+    adopted = result.record("import_moe").data["layers"]
+    assert adopted == (["model.layers.0.mlp", "model.layers.1.mlp"] if name == "tiny-mixtral" else ["model.layers.1.mlp"])
+    assert not result.record("upcycle").data["layers"]  # Qwen3-MoE's dense layer 0 stays dense
+    names = dict(result.module.named_parameters())
+    assert "model.layers.1.mlp.experts.w_gate_up" in names and "model.layers.1.mlp.experts.gate_up_proj" not in names
+
+    got = result.module(ids).logits
+    want = model(ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    lm_loss(got, ids).backward()
+    lm_loss(want, ids).backward()
+    for hf_name, p in model.named_parameters():
+        torch.testing.assert_close(names[moecompile_name(hf_name)].grad, p.grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=hf_name: f"{n}: {m}")
+
+
+def test_olmoe_is_adopted_too():
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.OlmoeForCausalLM(T.OlmoeConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=1,
+                                             num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                             num_experts_per_tok=2, pad_token_id=0, eos_token_id=1, bos_token_id=1))
+    ids = torch.randint(0, VOCAB, (2, 8))
+    result = mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
+    assert result.record("import_moe").data["layers"] == ["model.layers.0.mlp"]
+    torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_listed_dense_layers_are_upcycled_beside_the_adopted_ones():
+    # upcycling is exact with renormalised weights only, so this Qwen3-MoE renormalises
+    model, ids, result = converted("tiny-qwen3-moe", {"norm_topk_prob": True}, layers=["model.layers.0.mlp"])
+    assert result.record("upcycle").data["layers"] == ["model.layers.0.mlp"]
+    assert set(mc.grad_sync.moe_blocks(result.module)) == {"model.layers.0.mlp", "model.layers.1.mlp"}
+    torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("field, value, want", [("num_experts", 8, "set experts.num_experts: 4"),
+                                                ("top_k", 1, "set experts.top_k: 2"),
+                                                ("normalize", False, "set experts.normalize: true"),
+                                                ("granularity", 2, "set experts.granularity: 1"),
+                                                ("shared_experts", 1, "set experts.shared_experts: 0")])
+def test_a_plan_that_does_not_describe_the_model_names_the_field(field, value, want):
+    model, ids = hf_moe("tiny-mixtral")
+    experts = {**own_experts(model.config), field: value}
+    if field == "granularity":
+        experts |= {"top_k": 2}
+    with pytest.raises(PassError, match=f"experts.{field}.*MixtralSparseMoeBlock.*{want}"):
+        mc.convert(model, {"experts": experts}, (ids,))
+
+
+@pytest.mark.parametrize("config, match", [({"router_jitter_noise": 0.1}, r"jitter noise\); set config.router_jitter_noise = 0"),
+                                           ({"output_router_logits": True}, "set config.output_router_logits = False")])
+def test_what_the_block_cannot_express_is_a_named_error(config, match):
+    model, ids = hf_moe("tiny-mixtral", **config)
+    with pytest.raises(PassError, match=f"import_moe.*UnsupportedMoE.*{match}"):
+        mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
+
+
+def test_a_shared_expert_is_a_named_error():
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=32))
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with pytest.raises(PassError, match="Qwen2MoeSparseMoeBlock.*shared_expert.*beside the router"):
+        mc.convert(model, {"experts": {**own_experts(model.config), "normalize": False}}, (ids,))
+
+
+def test_a_block_that_computes_something_else_fails_the_check(monkeypatch):
+    """The block's reading is checked, not trusted: misread its activation and the conversion refuses."""
+    from passes import import_moe
+
+    monkeypatch.setitem(import_moe._ACTS, torch.ops.aten.silu.default, "gelu")
+    model, ids = hf_moe("tiny-mixtral")
+    with pytest.raises(PassError, match="read as 4 experts top-2 softmax renormalised gelu GLUs, differs"):
+        mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
+
+
+@pytest.mark.parametrize("name, arch", [("tiny-mixtral", "mixtral"), ("tiny-qwen3-moe", "qwen3_moe")])
+def test_trained_adopted_model_exports_back_to_its_architecture(tmp_path, name, arch):
+    from transformers import AutoModelForCausalLM
+
+    model, ids, result = converted(name, aux_loss="aux")
+    step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    g = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        x = torch.randint(0, VOCAB, ids.shape, generator=g)
+        step(x, (x * 3 + 1) % VOCAB)
+    trained = dict(result.module.named_parameters())["model.layers.1.mlp.experts.w_down"]
+    assert (trained - model.model.layers[1].mlp.experts.down_proj).abs().max() > 1e-3
+    mc.export_hf(result, tmp_path, arch=arch)
+    hf, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert hf.config.to_dict()["num_experts_per_tok"] == 2
+    if arch == "qwen3_moe":  # the adopted expert width and the dense layer survive the round trip
+        assert hf.config.moe_intermediate_size == 32 and hf.config.mlp_only_layers == [0]
+        assert hf.config.norm_topk_prob is False
+    with torch.no_grad():
+        torch.testing.assert_close(hf.eval()(ids).logits, result.module(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def ep2_adopted_mixtral(rank: int, world_size: int) -> list[dict]:
+    """ep=2 on an adopted Mixtral: each step's loss and gradients equal one process on both shards."""
+    import torch.distributed as dist
+
+    from test_expert_parallel import gathered_grads, rel, sgd
+
+    model, _ = hf_moe("tiny-mixtral")
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, VOCAB, (2 * world_size, 9), generator=g) for _ in range(3)]
+    experts = {**own_experts(model.config), "aux_loss": "aux", "z_loss_coeff": 1e-3}
+    ep = mc.convert(model, {"experts": experts, "parallel": {"ep": 2, "timeout_s": 120.0}}, (batches[0][:2],))
+    ref = mc.convert(model, {"experts": experts}, (batches[0][:2],))
+    out = []
+    for ids in batches:
+        shards = ids.chunk(world_size)
+
+        def loss_of(result, x):
+            return lm_loss(result.module(x).logits, x) + result.router_loss()
+
+        loss = loss_of(ep, shards[rank])
+        loss.backward()
+        mc.distributed.reduce_gradients(ep.module, ep.context.world)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        ref_loss = sum(loss_of(ref, s) for s in shards) / world_size
+        ref_loss.backward()
+        grads, ref_grads = gathered_grads(ep.module, ep.context.world), dict(ref.module.named_parameters())
+        out.append({"loss": abs(float(mean) / world_size - float(ref_loss.detach())),
+                    "grad": max(rel(grads[n], ref_grads[n].grad) for n in grads)})
+        sgd(ep.module)
+        sgd(ref.module)
+    return out
+
+
+@pytest.mark.distributed
+def test_adopted_mixtral_trains_with_ep2_like_one_process():
+    for rank_steps in spawn(ep2_adopted_mixtral, 2, timeout=300):
+        for s in rank_steps:
+            assert s["loss"] < 1e-5 and s["grad"] < 1e-4, rank_steps
+
+
+def test_a_meta_device_model_is_adopted_unchecked():
+    """The planner traces configs on the meta device: nothing to run, so the check says it was skipped."""
+    from transformers import AutoModelForCausalLM
+
+    from moecompile.models import load_config
+
+    config = load_config("tiny-mixtral")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    result = mc.convert(model, {"experts": own_experts(config)}, (torch.zeros(2, 8, dtype=torch.long, device="meta"),))
+    decisions = result.record("import_moe").decisions
+    assert len(decisions) == 2 and all("not checked (meta tensors)" in d for d in decisions), decisions
+
+
+def test_adopt_false_leaves_the_models_blocks_and_upcycles_its_dense_ffns():
+    model, ids, result = converted("tiny-qwen3-moe", {"norm_topk_prob": True}, adopt=False)
+    assert result.record("import_moe").decisions == ["left 1 MoE block(s) of the model as they are (experts.adopt: false)"]
+    assert set(mc.grad_sync.moe_blocks(result.module)) == {"model.layers.0.mlp"}  # upcycled; layer 1 is HF's
+    assert "model.layers.1.mlp.experts.gate_up_proj" in dict(result.module.named_parameters())
+    torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
