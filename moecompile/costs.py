@@ -53,6 +53,12 @@ def _grouped_mm_wgrad_flop(grad_shape, x_shape, sizes_shape, out_shape=None, **k
     return 2 * n * o * x_shape[1]
 
 
+def _hf_grouped_mm_flop(x_shape, w_shape, offs_shape=None, *args, out_val=None, **kwargs) -> int:
+    """transformers' grouped_mm: y_NO = x_NI @ w_EIO[e] per expert block, 2*N*I*O in all."""
+    n, i = x_shape
+    return 2 * n * i * w_shape[-1]
+
+
 _MOE_FORMULAS = {"grouped_mm": _grouped_mm_flop, "grouped_mm_wgrad": _grouped_mm_wgrad_flop}
 
 
@@ -180,6 +186,8 @@ def _formula_by_name(qualname: str) -> Any:
     namespace, _, name = qualname.partition(".")
     if namespace == "moecompile" and name in _MOE_FORMULAS:
         return shape_wrapper(_MOE_FORMULAS[name])
+    if qualname == "transformers.grouped_mm_fallback":  # a Hugging Face MoE block before import_moe adopts it
+        return _hf_grouped_mm_flop
     if len(_REGISTRY_BY_NAME) != len(flop_registry):
         _REGISTRY_BY_NAME.clear()
         _REGISTRY_BY_NAME.update({str(k): f for k, f in flop_registry.items()})

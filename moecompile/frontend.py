@@ -8,9 +8,10 @@ as ``get_attr`` targets. ``method="symbolic_trace"`` is the plain-module path.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import torch
 import torch.fx as fx
@@ -80,7 +81,9 @@ def trace(
         dynamic_shapes = {n: spec(x) for n, x in zip(names, example_inputs)} | {k: spec(v) for k, v in kwargs.items()}
     was_training = model.training
     try:
-        exported = torch.export.export(model, tuple(example_inputs), kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+        with _fused_experts(model):
+            exported = torch.export.export(model, tuple(example_inputs), kwargs, strict=False,
+                                           dynamic_shapes=dynamic_shapes)
     except Exception as e:
         raise TraceError(
             f"torch.export could not trace {name}: {type(e).__name__}: {_first_line(e)}. "
@@ -93,6 +96,26 @@ def trace(
     # The graph is fixed to the mode it was traced in (dropout is baked in as an op), and
     # ExportedProgram.module() refuses .train()/.eval(): trace in the mode you will run.
     return exported.module()
+
+
+@contextlib.contextmanager
+def _fused_experts(model: nn.Module) -> Iterator[None]:
+    """Trace a Hugging Face MoE's experts as one grouped GEMM, however the model runs them.
+
+    ``experts_implementation="eager"`` loops over the experts that got tokens, a data-dependent
+    loop export cannot trace; ``grouped_mm`` computes the same function, and it is what
+    ``import_moe`` adopts. The model's own setting is restored after tracing.
+    """
+    impl = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    if impl in (None, "grouped_mm") or not hasattr(model, "set_experts_implementation"):
+        yield
+        return
+    model.set_experts_implementation("grouped_mm")
+    log.info("tracing %s's experts as grouped_mm (the model runs them as %r)", type(model).__name__, impl)
+    try:
+        yield
+    finally:
+        model.set_experts_implementation(impl)
 
 
 class _ThroughModulesTracer(fx.Tracer):

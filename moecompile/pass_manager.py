@@ -162,7 +162,7 @@ def resolve_order(extra: Iterable[str | PassFn] = ()) -> list[PassSpec]:
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, specs: list[PassSpec]) -> fx.GraphModule:
     """Run ``specs`` in order, with lint, recompile, shape propagation, verify and a record after each."""
-    ctx.history.append(snapshot("trace", gm, True, 0.0, ["traced the dense model"], {}))
+    ctx.history.append(snapshot("trace", gm, True, 0.0, ["traced the model"], {}))
     _dump(ctx, 0, "trace", gm)
     for i, spec in enumerate(specs, start=1):
         missing = [f for f in spec.requires if f not in ctx.facts]

@@ -123,7 +123,7 @@ def test_a_shared_expert_is_a_named_error():
 
 def test_a_block_that_computes_something_else_fails_the_check(monkeypatch):
     """The block's reading is checked, not trusted: misread its activation and the conversion refuses."""
-    from passes import import_moe
+    from moecompile.passes import import_moe
 
     monkeypatch.setitem(import_moe._ACTS, torch.ops.aten.silu.default, "gelu")
     model, ids = hf_moe("tiny-mixtral")
@@ -214,4 +214,14 @@ def test_adopt_false_leaves_the_models_blocks_and_upcycles_its_dense_ffns():
     assert result.record("import_moe").decisions == ["left 1 MoE block(s) of the model as they are (experts.adopt: false)"]
     assert set(mc.grad_sync.moe_blocks(result.module)) == {"model.layers.0.mlp"}  # upcycled; layer 1 is HF's
     assert "model.layers.1.mlp.experts.gate_up_proj" in dict(result.module.named_parameters())
+    torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_run_eagerly_by_the_model_are_traced_fused_and_the_setting_restored():
+    """experts_implementation='eager' loops over experts data-dependently; the trace takes grouped_mm."""
+    model, ids = hf_moe("tiny-mixtral")
+    model.set_experts_implementation("eager")
+    result = mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
+    assert model.config._experts_implementation == "eager"
+    assert len(result.record("import_moe").data["layers"]) == 2
     torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)

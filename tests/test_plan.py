@@ -9,7 +9,7 @@ from moecompile import Plan, PlanError
 def test_defaults_and_round_trip_yaml(tmp_path):
     plan = Plan.from_dict({"experts": {"num_experts": 16, "top_k": 4, "granularity": 2, "layers": "every:2",
                                        "aux_loss": "seq_aux", "z_loss_coeff": 1e-3, "capacity_factor": 1.25}})
-    path = tmp_path / "plan.yaml"
+    path = tmp_path / "new" / "dir" / "plan.yaml"  # save makes the directories
     plan.save(path)
     again = Plan.from_file(path)
     assert again == plan

@@ -57,10 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..bench import BenchSpec, bench, render
     from ..errors import MoecompileError
-    from ..plan import Plan
+    from ..models import load_config, own_experts
     from .inspect import _key_value, apply_sets, load_plan
 
-    plan = load_plan(args.plan, []) if args.plan else Plan.from_dict(dataclasses.asdict(BenchSpec())["plan"])
+    defaults = dataclasses.asdict(BenchSpec())["plan"]["experts"]
+    model = args.model or BenchSpec().model
+    overrides = dict(_key_value(c, "--config") for c in args.configs)
+    plan = load_plan(args.plan, [], experts={**defaults, **own_experts(load_config(model, **overrides))})
     plan = apply_sets(plan, args.sets).to_dict()
     if plan["parallel"]["ep"] != 1:
         raise MoecompileError("bench sets the expert-parallel size itself (ep = 1, and N for --nproc N); "
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         raise MoecompileError(f"--steps and --rounds must be >= 1 and --warmup >= 0, got {args.steps}, "
                               f"{args.rounds} and {args.warmup}")
-    spec = BenchSpec(model=args.model, plan=plan, config=dict(_key_value(c, "--config") for c in args.configs),
+    spec = BenchSpec(model=model, plan=plan, config=overrides,
                      batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, rounds=args.rounds)
     rows = bench(spec, tuple(variants), threads=args.threads or None)
     print(render(spec, rows))

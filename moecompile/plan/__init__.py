@@ -83,6 +83,7 @@ class Plan:
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         if path.suffix == ".json":
             path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         else:
