@@ -107,15 +107,17 @@ def _fused_experts(model: nn.Module) -> Iterator[None]:
     ``import_moe`` adopts. The model's own setting is restored after tracing.
     """
     impl = getattr(getattr(model, "config", None), "_experts_implementation", None)
-    if impl in (None, "grouped_mm") or not hasattr(model, "set_experts_implementation"):
-        yield
-        return
-    model.set_experts_implementation("grouped_mm")
-    log.info("tracing %s's experts as grouped_mm (the model runs them as %r)", type(model).__name__, impl)
+    switched = impl not in (None, "grouped_mm") and hasattr(model, "set_experts_implementation")
+    if switched:
+        try:
+            model.set_experts_implementation("grouped_mm")
+        except ValueError:  # a model without experts: transformers refuses
+            switched = False
     try:
         yield
     finally:
-        model.set_experts_implementation(impl)
+        if switched:
+            model.set_experts_implementation(impl)
 
 
 class _ThroughModulesTracer(fx.Tracer):

@@ -92,10 +92,10 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
              "bias or expert biases)", "moecompile adopts blocks of a router and fused GLU experts only")
     if any(n.target in _RANDOM for n in nodes):
         fail("it draws random numbers (router jitter noise)", "set config.router_jitter_noise = 0 before tracing")
-    tensors = [a for n in nodes for a in n.all_input_nodes
-               if a not in inside and a.op != "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)]
-    if len(set(tensors)) != 1:
-        fail(f"it takes {len(set(tensors))} tensor inputs", "an MoE block maps one hidden-state tensor")
+    tensors = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
+                                 if a not in inside and a.op != "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)))
+    if len(tensors) != 1:
+        fail(f"it takes {len(tensors)} tensor inputs", "an MoE block maps one hidden-state tensor")
     outs = [n for n in nodes if any(u not in inside for u in n.users)]
     if len(outs) != 1:
         fail(f"{len(outs)} of its values are used outside it (router logits returned too?)",
@@ -103,7 +103,7 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
     topk = [n for n in nodes if n.target is aten.topk.default]
     if len(topk) != 1 or topk[0].args[0].target not in _SCORES:
         fail("its router is not one top-k over softmax or sigmoid scores", "moecompile adopts plain top-k routers")
-    values = next(u for u in topk[0].users if u.args[1] == 0)
+    values = next((u for u in topk[0].users if u.args[1] == 0), None)  # the top-k scores (getitem 0)
     normalize = any(n.target in (aten.div.Tensor, aten.div_.Tensor) and n.args[0] is values for n in nodes)
     acts = [n for n in nodes if n.target in _ACTS]
     if len({(a.target, a.kwargs.get("approximate"), a.args[1:]) for a in acts}) != 1:
