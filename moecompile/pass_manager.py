@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Union
 
 import networkx as nx
+import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
@@ -164,6 +165,8 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, specs: list[PassSpec]) -> f
     """Run ``specs`` in order, with lint, recompile, shape propagation, verify and a record after each."""
     ctx.history.append(snapshot("trace", gm, True, 0.0, ["traced the model"], {}))
     _dump(ctx, 0, "trace", gm)
+    if _symbolic(gm):  # a dynamic trace: every pass sees the example's sizes, as after any pass
+        propagate_fake(gm, ctx.example_inputs)
     for i, spec in enumerate(specs, start=1):
         missing = [f for f in spec.requires if f not in ctx.facts]
         if missing:
@@ -186,6 +189,11 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, specs: list[PassSpec]) -> f
         ctx.history.append(snapshot(spec.name, gm, changed, time.perf_counter() - start, ctx._decisions, ctx._data))
         _dump(ctx, i, spec.name, gm)
     return gm
+
+
+def _symbolic(gm: fx.GraphModule) -> bool:
+    vals = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    return any(isinstance(d, torch.SymInt) for v in vals if isinstance(v, torch.Tensor) for d in v.shape)
 
 
 def _check_graph(gm: fx.GraphModule, ctx: PassContext, name: str) -> None:

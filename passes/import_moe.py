@@ -22,6 +22,7 @@ used outside it) is an :class:`UnsupportedMoE` error that names it.
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable
 
 import torch
 import torch.fx as fx
@@ -96,7 +97,8 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
                                  if a not in inside and a.op != "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)))
     if len(tensors) != 1:
         fail(f"it takes {len(tensors)} tensor inputs", "an MoE block maps one hidden-state tensor")
-    outs = [n for n in nodes if any(u not in inside for u in n.users)]
+    used_outside = [n for n in nodes if any(u not in inside for u in n.users)]
+    outs = [n for n in used_outside if isinstance(n.meta.get("val"), torch.Tensor)]
     if len(outs) != 1:
         fail(f"{len(outs)} of its values are used outside it (router logits returned too?)",
              "set config.output_router_logits = False: moecompile computes the router losses the plan asks for")
@@ -115,8 +117,26 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
     if w_in.dim() != 3 or w_out.dim() != 3 or w_in.shape[1] != 2 * w_out.shape[2]:
         fail(f"its experts are {tuple(w_in.shape)} and {tuple(w_out.shape)}, not gated [E, 2F, H] / [E, H, F]",
              "moecompile adopts fused GLU experts")
-    return ExistingBlock(layer, kind, nodes, tensors[0], outs[0], params, int(w_in.shape[0]), int(topk[0].args[1]),
-                         _SCORES[topk[0].args[0].target], normalize, act)
+    shapes = _shape_arithmetic((n for n in used_outside if n not in outs), inside)
+    if any(a.op == "get_attr" for n in shapes for a in n.all_input_nodes):
+        fail("sizes it computes from its weights are used outside it", "moecompile adopts self-contained blocks")
+    return ExistingBlock(layer, kind, [n for n in nodes if n not in shapes], tensors[0], outs[0], params,
+                         int(w_in.shape[0]), int(topk[0].args[1]), _SCORES[topk[0].args[0].target], normalize, act)
+
+
+def _shape_arithmetic(sizes: Iterable[fx.Node], block: set[fx.Node]) -> set[fx.Node]:
+    """Sizes a dynamic trace computed inside the block and reused after it, and the block's nodes they need.
+
+    They stay in the graph (sizes of views of the input, and integer arithmetic); the block is the rest.
+    """
+    keep: set[fx.Node] = set()
+    todo = list(sizes)
+    while todo:
+        n = todo.pop()
+        if n not in keep:
+            keep.add(n)
+            todo.extend(a for a in n.all_input_nodes if a in block)
+    return keep
 
 
 def check_plan(cfg: ExpertsConfig, block: ExistingBlock) -> None:

@@ -225,3 +225,13 @@ def test_experts_run_eagerly_by_the_model_are_traced_fused_and_the_setting_resto
     assert model.config._experts_implementation == "eager"
     assert len(result.record("import_moe").data["layers"]) == 2
     torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_dynamic_trace_adopts_and_runs_at_other_shapes():
+    """Sizes the block computes are reused by later layers in a dynamic trace; they stay, the block goes."""
+    model, ids = hf_moe("tiny-mixtral")
+    result = mc.convert(model, {"experts": own_experts(model.config)}, (ids,), dynamic=True)
+    assert len(result.record("import_moe").data["layers"]) == 2
+    for shape in ((2, 8), (3, 5), (1, 12)):
+        x = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(sum(shape)))
+        torch.testing.assert_close(result.module(x).logits, model(x, use_cache=False).logits, rtol=1e-5, atol=1e-5)
