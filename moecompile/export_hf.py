@@ -2,6 +2,7 @@
 
     mc.export_hf(result, "out/", arch="mixtral", config=dense.config)     # Llama / Mistral source
     mc.export_hf(result, "out/", arch="qwen3_moe", config=dense.config)   # Qwen3 source
+    mc.export_hf(result, "out/", arch="mixtral")    # an adopted Mixtral (import_moe) goes back as it came
     AutoModelForCausalLM.from_pretrained("out/")    # same logits as result.module
 
 Writes ``config.json`` and ``model.safetensors`` in transformers 5's layout, where a

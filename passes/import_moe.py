@@ -16,7 +16,9 @@ The plan describes the experts the model has: ``experts.num_experts``, ``top_k``
 and ``normalize`` must equal the model's (a :class:`PlanError` says which to set), and
 granularity / shared experts, which only mean something when upcycling, must be 1 / 0.
 Anything else in a block (a shared expert, a selection bias, jitter noise, router logits
-used outside it) is an :class:`UnsupportedMoE` error that names it.
+used outside it) is an :class:`UnsupportedMoE` error that names it. ``experts.adopt: false``
+leaves every block as the model's own code. The model's dense FFNs stay dense unless
+``experts.layers`` names them (``upcycle``).
 """
 
 from __future__ import annotations
