@@ -5,7 +5,7 @@ Small and boring on purpose: anything more specific belongs in the pass that use
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
@@ -44,6 +44,18 @@ def clean_path(path: str) -> str:
     # "model.layers.0" in non-strict; normalise both to dotted parameter-style names.
     path = path.replace("L['self'].", "").replace("L['self']", "")
     return path.replace("[", ".").replace("]", "").replace("'", "").strip(".")
+
+
+def ancestors_within(nodes: Iterable[fx.Node], pool: set[fx.Node]) -> set[fx.Node]:
+    """Every node of ``pool`` that ``nodes`` read, directly or through other nodes of ``pool``."""
+    seen: set[fx.Node] = set()
+    stack = [a for n in nodes for a in n.all_input_nodes if a in pool]
+    while stack:
+        a = stack.pop()
+        if a not in seen:
+            seen.add(a)
+            stack.extend(x for x in a.all_input_nodes if x in pool)
+    return seen
 
 
 def get_attr_value(gm: fx.GraphModule, target: str) -> torch.Tensor:

@@ -24,14 +24,13 @@ leaves every block as the model's own code. The model's dense FFNs stay dense un
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
 
 import torch
 import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from moecompile.errors import MoecompileError, PlanError
-from moecompile.graph import clean_path, delete_unused_attrs, get_attr_value, module_chain
+from moecompile.graph import ancestors_within, clean_path, delete_unused_attrs, get_attr_value, module_chain
 from moecompile.pass_manager import PassContext, register_pass
 from moecompile.plan import ExpertsConfig
 
@@ -119,26 +118,13 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
     if w_in.dim() != 3 or w_out.dim() != 3 or w_in.shape[1] != 2 * w_out.shape[2]:
         fail(f"its experts are {tuple(w_in.shape)} and {tuple(w_out.shape)}, not gated [E, 2F, H] / [E, H, F]",
              "moecompile adopts fused GLU experts")
-    shapes = _shape_arithmetic((n for n in used_outside if n not in outs), inside)
+    # a dynamic trace's sizes computed here and reused after: they stay, with what they are computed from
+    sizes = [n for n in used_outside if n not in outs]
+    shapes = set(sizes) | ancestors_within(sizes, inside)
     if any(a.op == "get_attr" for n in shapes for a in n.all_input_nodes):
         fail("sizes it computes from its weights are used outside it", "moecompile adopts self-contained blocks")
     return ExistingBlock(layer, kind, [n for n in nodes if n not in shapes], tensors[0], outs[0], params,
                          int(w_in.shape[0]), int(topk[0].args[1]), _SCORES[topk[0].args[0].target], normalize, act)
-
-
-def _shape_arithmetic(sizes: Iterable[fx.Node], block: set[fx.Node]) -> set[fx.Node]:
-    """Sizes a dynamic trace computed inside the block and reused after it, and the block's nodes they need.
-
-    They stay in the graph (sizes of views of the input, and integer arithmetic); the block is the rest.
-    """
-    keep: set[fx.Node] = set()
-    todo = list(sizes)
-    while todo:
-        n = todo.pop()
-        if n not in keep:
-            keep.add(n)
-            todo.extend(a for a in n.all_input_nodes if a in block)
-    return keep
 
 
 def check_plan(cfg: ExpertsConfig, block: ExistingBlock) -> None:

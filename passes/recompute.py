@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch.fx.passes.infra.pass_base import PassResult
 
 from moecompile.costs import collective_kind, human
-from moecompile.graph import module_path
+from moecompile.graph import ancestors_within, module_path
 from moecompile.memory import ActivationProfile, profile_activations
 from moecompile.meta import Role, moe
 from moecompile.pass_manager import PassContext, register_pass, register_verifier
@@ -170,7 +170,7 @@ def build_units(g: _Graph, regions: list[Region]) -> list[Unit]:
                 break
             costly = {n for n in extra if not _is_view_like(n)}
             c |= extra - costly
-            c -= {n for n in c if _ancestors_within(n, extra | c, g) & costly}
+            c -= {n for n in c if ancestors_within([n], extra | c) & costly}
         units.append(Unit(group, r, c))
     return units
 
@@ -181,17 +181,6 @@ def _is_view_like(n: fx.Node) -> bool:
         return True
     schema = getattr(n.target, "_schema", None)
     return schema is not None and bool(schema.returns) and all(r.alias_info is not None for r in schema.returns)
-
-
-def _ancestors_within(node: fx.Node, pool: set[fx.Node], g: _Graph) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [a for a in node.all_input_nodes if a in pool]
-    while stack:
-        a = stack.pop()
-        if a not in seen:
-            seen.add(a)
-            stack.extend(x for x in a.all_input_nodes if x in pool)
-    return seen
 
 
 def predicted_bytes(g: _Graph, units: list[Unit]) -> int:
