@@ -83,6 +83,7 @@ def test_convert_qwen3_fine_grained_into_qwen3_moe(tmp_path, capsys):
     (["--set", "parallel.ep=2"], "applies only the experts section"),
     (["--model", "tiny-gpt2"], "no Hugging Face MoE architecture takes a 'gpt2' model"),
     (["--set", "experts.granularity=2", "--set", "experts.top_k=4"], "export fine-grained experts as qwen3_moe"),
+    (["--model", "tiny-mixtral"], "an MoE already (4 experts top-2): there is no dense FFN to upcycle; train it"),
 ])
 def test_convert_errors_name_the_fix(tmp_path, capsys, argv, message):
     base = ["convert", "--model", "tiny-llama", "--out", str(tmp_path / "moe")]

@@ -74,7 +74,7 @@ def convert_checkpoint(args: argparse.Namespace) -> dict[str, str]:
     from ..errors import MoecompileError
     from ..export_hf import arch_for, export_hf
     from ..costs import human
-    from ..models import build_model, has_weights
+    from ..models import build_model, has_weights, load_config, own_experts
     from ..plan import Plan
     from ..report import render_markdown, report_rows
     from .inspect import _key_value, apply_sets
@@ -90,6 +90,11 @@ def convert_checkpoint(args: argparse.Namespace) -> dict[str, str]:
         raise MoecompileError(f"--out {out} is the source checkpoint; writing there would replace the dense "
                               "weights: choose another directory")
     overrides = dict(_key_value(item, "--config") for item in args.configs)
+    own = own_experts(load_config(args.model, **overrides))
+    if own:
+        raise MoecompileError(f"{args.model} is an MoE already ({own['num_experts']} experts top-{own['top_k']}): "
+                              f"there is no dense FFN to upcycle; train it as it is with "
+                              f"`moecompile train --model {args.model}`")
     dense, (ids,) = build_model(args.model, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                                 dtype=args.dtype, **overrides)
     arch = args.arch if args.arch != "auto" else arch_for(getattr(dense.config, "model_type", None))
