@@ -68,6 +68,11 @@ MODELS: dict[str, ZooEntry] = {
         _hf("Qwen3MoeConfig", **_TINY, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             norm_topk_prob=False, mlp_only_layers=[0]),
     ),
+    "tiny-qwen2-moe": ZooEntry(
+        "Qwen2-MoE (4 experts top-2 of width 32 and a gated shared expert of width 64)",
+        _hf("Qwen2MoeConfig", **_TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=64),
+    ),
     "small-llama": ZooEntry(
         "Llama, 4 layers, hidden 256, FFN 688, vocab 1024 (for benchmarks)",
         _hf("LlamaConfig", **{**_TINY, "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 688,
@@ -95,7 +100,10 @@ def own_experts(config: Any) -> dict[str, Any]:
     top_k = getattr(config, "num_experts_per_tok", None)
     if not num or not top_k:
         return {}
-    return {"num_experts": int(num), "top_k": int(top_k), "normalize": bool(getattr(config, "norm_topk_prob", True))}
+    fields = {"num_experts": int(num), "top_k": int(top_k), "normalize": bool(getattr(config, "norm_topk_prob", True))}
+    if getattr(config, "shared_expert_intermediate_size", 0):  # Qwen2-MoE's gated shared expert
+        fields["shared_experts"] = 1
+    return fields
 
 
 def list_models() -> list[tuple[str, str]]:

@@ -40,6 +40,9 @@ aten = torch.ops.aten
 
 # block tensor key -> Hugging Face parameter name under the block's module path
 HF_NAMES = {"router": "gate.weight", "w_in": "experts.gate_up_proj", "w_out": "experts.down_proj"}
+# Qwen2-MoE's shared expert: a GLU beside the routed experts, behind a per-token sigmoid gate
+HF_SHARED = {"gate": "shared_expert.gate_proj.weight", "up": "shared_expert.up_proj.weight",
+             "down": "shared_expert.down_proj.weight", "shared_gate": "shared_expert_gate.weight"}
 _ACTS = {aten.silu.default: "silu", aten.relu.default: "relu", aten.gelu.default: "gelu"}
 _SCORES = {aten.softmax.int: "softmax", aten._softmax.default: "softmax", aten.sigmoid.default: "sigmoid"}
 _RANDOM = {aten.uniform_.default, aten.uniform.default, aten.rand_like.default, aten.randn_like.default,
@@ -60,11 +63,26 @@ class ExistingBlock:
     x: fx.Node  # its input [..., H]
     out: fx.Node  # its output, the one value used outside it
     params: dict[str, str]  # "router" / "w_in" / "w_out" -> parameter name
+    shared: dict[str, str]  # HF_SHARED keys -> parameter name, when the block has a shared expert
     num_experts: int
     top_k: int
     score: str
     normalize: bool
     act: str
+
+    @property
+    def shared_experts(self) -> int:
+        return 1 if self.shared else 0
+
+    def tensors(self, gm: fx.GraphModule) -> dict[str, torch.Tensor]:
+        """The block's tensors by moecompile's keys (the shared GLU's gate and up fused, as the experts')."""
+        out = {k: get_attr_value(gm, n) for k, n in self.params.items()}
+        if self.shared:
+            w = {k: get_attr_value(gm, n) for k, n in self.shared.items()}
+            out["shared_w_in"] = torch.cat([w["gate"], w["up"]])[None]  # [1, 2Fs, H]
+            out["shared_w_out"] = w["down"][None]  # [1, H, Fs]
+            out["shared_gate"] = w["shared_gate"]  # [1, H]
+        return out
 
 
 def find_blocks(gm: fx.GraphModule) -> list[str]:
@@ -88,10 +106,13 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
 
     attrs = {a.target for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}
     params = {k: f"{layer}.{v}" for k, v in HF_NAMES.items()}
-    extra = sorted(attrs - set(params.values()))
+    shared = {k: f"{layer}.{v}" for k, v in HF_SHARED.items()}
+    shared = shared if set(shared.values()) <= attrs else {}
+    extra = sorted(attrs - set(params.values()) - set(shared.values()))
     if extra:
-        fail(f"it reads {', '.join(extra)} beside the router and the experts (a shared expert, a selection "
-             "bias or expert biases)", "moecompile adopts blocks of a router and fused GLU experts only")
+        fail(f"it reads {', '.join(extra)} beside the router, the experts and a gated shared GLU (a selection "
+             "bias, expert biases, another shared expert)", "moecompile adopts blocks of a router, fused GLU "
+             "experts and at most one gated shared GLU")
     if any(n.target in _RANDOM for n in nodes):
         fail("it draws random numbers (router jitter noise)", "set config.router_jitter_noise = 0 before tracing")
     tensors = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
@@ -123,23 +144,22 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
     shapes = set(sizes) | ancestors_within(sizes, inside)
     if any(a.op == "get_attr" for n in shapes for a in n.all_input_nodes):
         fail("sizes it computes from its weights are used outside it", "moecompile adopts self-contained blocks")
-    return ExistingBlock(layer, kind, [n for n in nodes if n not in shapes], tensors[0], outs[0], params,
+    return ExistingBlock(layer, kind, [n for n in nodes if n not in shapes], tensors[0], outs[0], params, shared,
                          int(w_in.shape[0]), int(topk[0].args[1]), _SCORES[topk[0].args[0].target], normalize, act)
 
 
 def check_plan(cfg: ExpertsConfig, block: ExistingBlock) -> None:
     """The plan must describe the experts the model has; the error says what to set."""
-    for field in ("num_experts", "top_k", "score", "normalize"):
+    for field in ("num_experts", "top_k", "score", "normalize", "shared_experts"):
         want = getattr(block, field)
         if getattr(cfg, field) != want:
             raise PlanError(f"experts.{field}", getattr(cfg, field),
                             f"{block.layer} is already a {block.kind} with {field} = {want!r}; the plan describes "
                             f"the experts the model has: set experts.{field}: {str(want).lower()}")
-    for field, want in (("granularity", 1), ("shared_experts", 0)):
-        if getattr(cfg, field) != want:
-            raise PlanError(f"experts.{field}", getattr(cfg, field),
-                            f"{block.layer} ({block.kind}) already has its experts; {field} applies when "
-                            f"upcycling a dense FFN: set experts.{field}: {want}")
+    if cfg.granularity != 1:
+        raise PlanError("experts.granularity", cfg.granularity,
+                        f"{block.layer} ({block.kind}) already has its experts; granularity applies when "
+                        "upcycling a dense FFN: set experts.granularity: 1")
 
 
 def block_io(gm: fx.GraphModule, inputs: list, blocks: list[ExistingBlock]) -> dict[fx.Node, torch.Tensor]:
@@ -162,11 +182,10 @@ def block_io(gm: fx.GraphModule, inputs: list, blocks: list[ExistingBlock]) -> d
 def check_reproduces(gm: fx.GraphModule, cfg: ExpertsConfig, block: ExistingBlock, where: str, x: torch.Tensor,
                      want: torch.Tensor) -> float:
     """moecompile's block (dropless) on the recorded input must give the recorded output; returns the error."""
-    tensors = {k: get_attr_value(gm, n).detach() for k, n in block.params.items()}
+    tensors = {k: t.detach() for k, t in block.tensors(gm).items()}
     bias = torch.zeros(cfg.num_experts, device=x.device) if cfg.expert_bias else None
     with torch.no_grad():
-        got, _ = moe_block(cfg, block.act, True, 0, weights_at=where)(
-            x, tensors["router"], tensors["w_in"], tensors["w_out"], bias)
+        got, _ = moe_block(cfg, block.act, True, 0, weights_at=where)(x, bias=bias, **tensors)
     error = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))
     tolerance = 1e-4 if want.dtype == torch.float32 else 3e-2
     if not error <= tolerance:
@@ -199,16 +218,17 @@ def import_moe(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if not on_meta:
             error = check_reproduces(gm, cfg, block, where, recorded[block.x], recorded[block.out])
             check = f"reproduces it to {error:.1e}"
-        tensors = {k: get_attr_value(gm, n) for k, n in block.params.items()}
-        params = register_block(gm, block.layer, tensors, True, cfg)
+        params = register_block(gm, block.layer, block.tensors(gm), True, cfg)
         capacity = insert_block(gm, ctx, block.out, block.x, block.layer, params, block.act, True, where)
-        hf_attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in block.params.values()]
+        hf_names = [*block.params.values(), *block.shared.values()]
+        hf_attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in hf_names]
         for n in [*reversed(block.nodes), *hf_attrs]:  # users before what they use
             if not n.users:
                 gm.graph.erase_node(n)
-        delete_unused_attrs(gm, list(block.params.values()))
+        delete_unused_attrs(gm, hf_names)
         ctx.decide(
-            f"{block.layer}: adopted {block.kind}, {block.num_experts} experts top-{block.top_k} {block.act} GLU "
+            f"{block.layer}: adopted {block.kind}, {block.num_experts} experts top-{block.top_k} {block.act} GLU"
+            f"{' + a gated shared expert' if block.shared else ''} "
             f"({'dropless' if not capacity else f'capacity {capacity}'}, routing weights at the {where}); {check}"
         )
     ctx.record(layers=layers)

@@ -131,7 +131,7 @@ def register_block(gm: fx.GraphModule, layer: str, tensors: dict[str, torch.Tens
     """
     names = dict(_PARAM_NAMES[glu])
     names |= {f"shared_{k}": n.replace("experts.", "shared_experts.") for k, n in names.items()}
-    names |= {"router": "router.weight", "bias": "router.expert_bias"}
+    names |= {"router": "router.weight", "bias": "router.expert_bias", "shared_gate": "shared_experts.gate.weight"}
     prefix = f"{layer}." if layer else ""
     if cfg.expert_bias:
         tensors = {**tensors, "bias": torch.zeros(cfg.num_experts, device=tensors["w_in"].device)}
@@ -178,7 +178,8 @@ def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, load_group
         with annotate({"role": "experts"}):
             return mc.grouped_mm(h, w_out, sizes, b_out)
 
-    def block(x, router, w_in, w_out, bias=None, b_in=None, b_out=None, shared_w_in=None, shared_w_out=None, shared_b_in=None, shared_b_out=None):
+    def block(x, router, w_in, w_out, bias=None, b_in=None, b_out=None, shared_w_in=None, shared_w_out=None, shared_b_in=None, shared_b_out=None,
+              shared_gate=None):
         x_TH = x.reshape(-1, x.shape[-1])
         with annotate({"role": "router"}):
             logits_TE = F.linear(x_TH, router)
@@ -198,7 +199,10 @@ def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, load_group
             y_TH = mc.unpermute(y_NH, row_src_N, weights_TK, x_TH.shape[0], not in_act)
         if S:
             with annotate({"role": "shared_experts"}):
-                y_TH = y_TH + _shared_mlp(x_TH, shared_w_in, shared_w_out, shared_b_in, shared_b_out, act, glu)
+                shared_TH = _shared_mlp(x_TH, shared_w_in, shared_w_out, shared_b_in, shared_b_out, act, glu)
+                if shared_gate is not None:  # Qwen2-MoE: a per-token sigmoid gate on the shared expert
+                    shared_TH = torch.sigmoid(F.linear(x_TH, shared_gate)) * shared_TH
+                y_TH = y_TH + shared_TH
         global_load = None
         if load_group is not None:
             with annotate({"role": "collective_wait", "group": load_group[0]}):

@@ -34,23 +34,29 @@ def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-# HF name of each adopted tensor -> moecompile's
-RENAMES = {"gate.weight": "router.weight", "experts.gate_up_proj": "experts.w_gate_up",
-           "experts.down_proj": "experts.w_down"}
+# HF name of each adopted tensor -> moecompile's, and the rows of it that the HF tensor is
+RENAMES = {"gate.weight": ("router.weight", 0), "experts.gate_up_proj": ("experts.w_gate_up", 0),
+           "experts.down_proj": ("experts.w_down", 0), "shared_expert_gate.weight": ("shared_experts.gate.weight", 0),
+           "shared_expert.gate_proj.weight": ("shared_experts.w_gate_up", 1),  # rows [0, Fs) of expert 0
+           "shared_expert.up_proj.weight": ("shared_experts.w_gate_up", 2),  # rows [Fs, 2Fs)
+           "shared_expert.down_proj.weight": ("shared_experts.w_down", 3)}  # expert 0
 
 
-def moecompile_name(hf_name: str) -> str:
-    for old, new in RENAMES.items():
+def adopted_grad(names: dict, hf_name: str) -> torch.Tensor:
+    """The gradient moecompile holds for the HF parameter ``hf_name``."""
+    for old, (new, part) in RENAMES.items():
         if hf_name.endswith("mlp." + old):
-            return hf_name[: -len(old)] + new
-    return hf_name
+            g = names[hf_name[: -len(old)] + new].grad
+            half = g.shape[1] // 2
+            return {0: g, 1: g[0, :half] if part == 1 else None, 2: g[0, half:], 3: g[0]}[part]
+    return names[hf_name].grad
 
 
-@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe"])
 def test_adopted_model_gives_the_hf_logits_and_gradients(name):
     model, ids, result = converted(name)
     adopted = result.record("import_moe").data["layers"]
-    assert adopted == (["model.layers.0.mlp", "model.layers.1.mlp"] if name == "tiny-mixtral" else ["model.layers.1.mlp"])
+    assert adopted == (["model.layers.1.mlp"] if name == "tiny-qwen3-moe" else ["model.layers.0.mlp", "model.layers.1.mlp"])
     assert not result.record("upcycle").data["layers"]  # Qwen3-MoE's dense layer 0 stays dense
     names = dict(result.module.named_parameters())
     assert "model.layers.1.mlp.experts.w_gate_up" in names and "model.layers.1.mlp.experts.gate_up_proj" not in names
@@ -61,8 +67,10 @@ def test_adopted_model_gives_the_hf_logits_and_gradients(name):
     lm_loss(got, ids).backward()
     lm_loss(want, ids).backward()
     for hf_name, p in model.named_parameters():
-        torch.testing.assert_close(names[moecompile_name(hf_name)].grad, p.grad, rtol=1e-4, atol=1e-6,
+        torch.testing.assert_close(adopted_grad(names, hf_name), p.grad, rtol=1e-4, atol=1e-6,
                                    msg=lambda m, n=hf_name: f"{n}: {m}")
+    fused = 2 if name == "tiny-qwen2-moe" else 0  # each layer's shared gate_proj and up_proj are one tensor
+    assert len(names) == len(dict(model.named_parameters())) - fused  # nothing left behind, nothing doubled
 
 
 def test_olmoe_is_adopted_too():
@@ -84,6 +92,12 @@ def test_listed_dense_layers_are_upcycled_beside_the_adopted_ones():
     assert result.record("upcycle").data["layers"] == ["model.layers.0.mlp"]
     assert set(mc.grad_sync.moe_blocks(result.module)) == {"model.layers.0.mlp", "model.layers.1.mlp"}
     torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_the_plan_must_say_there_is_a_shared_expert():
+    model, ids = hf_moe("tiny-qwen2-moe")
+    with pytest.raises(PassError, match="Qwen2MoeSparseMoeBlock with shared_experts = 1.*set experts.shared_experts: 1"):
+        mc.convert(model, {"experts": {**own_experts(model.config), "shared_experts": 0}}, (ids,))
 
 
 @pytest.mark.parametrize("field, value, want", [("num_experts", 8, "set experts.num_experts: 4"),
@@ -108,17 +122,18 @@ def test_what_the_block_cannot_express_is_a_named_error(config, match):
         mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
 
 
-def test_a_shared_expert_is_a_named_error():
-    import transformers as T
+def test_a_selection_bias_is_a_named_error():
+    model, ids = hf_moe("tiny-mixtral")
+    model.model.layers[0].mlp.gate.register_buffer("e_score_correction_bias", torch.zeros(4))
+    forward = type(model.model.layers[0].mlp.gate).forward
 
-    torch.manual_seed(0)
-    model = T.Qwen2MoeForCausalLM(T.Qwen2MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        shared_expert_intermediate_size=32))
-    ids = torch.randint(0, VOCAB, (2, 8))
-    with pytest.raises(PassError, match="Qwen2MoeSparseMoeBlock.*shared_expert.*beside the router"):
-        mc.convert(model, {"experts": {**own_experts(model.config), "normalize": False}}, (ids,))
+    def biased(self, h):  # DeepSeek-V3's router: a bias that shifts the selection
+        logits, weights, idx = forward(self, h)
+        return logits, weights + self.e_score_correction_bias[idx], idx
+
+    model.model.layers[0].mlp.gate.forward = biased.__get__(model.model.layers[0].mlp.gate)
+    with pytest.raises(PassError, match=r"layers\.0\.mlp.*reads model\.layers\.0\.mlp\.gate\.e_score_correction_bias"):
+        mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
 
 
 def test_a_block_that_computes_something_else_fails_the_check(monkeypatch):
@@ -154,13 +169,17 @@ def test_trained_adopted_model_exports_back_to_its_architecture(tmp_path, name, 
         torch.testing.assert_close(hf.eval()(ids).logits, result.module(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def ep2_adopted_mixtral(rank: int, world_size: int) -> list[dict]:
-    """ep=2 on an adopted Mixtral: each step's loss and gradients equal one process on both shards."""
+def ep2_adopted(rank: int, world_size: int) -> dict[str, list[dict]]:
+    return {name: ep2_steps(rank, world_size, name) for name in ("tiny-mixtral", "tiny-qwen2-moe")}
+
+
+def ep2_steps(rank: int, world_size: int, name: str) -> list[dict]:
+    """ep=2 on an adopted model: each step's loss and gradients equal one process on both shards."""
     import torch.distributed as dist
 
     from test_expert_parallel import gathered_grads, rel, sgd
 
-    model, _ = hf_moe("tiny-mixtral")
+    model, _ = hf_moe(name)
     g = torch.Generator().manual_seed(7)
     batches = [torch.randint(0, VOCAB, (2 * world_size, 9), generator=g) for _ in range(3)]
     experts = {**own_experts(model.config), "aux_loss": "aux", "z_loss_coeff": 1e-3}
@@ -189,10 +208,11 @@ def ep2_adopted_mixtral(rank: int, world_size: int) -> list[dict]:
 
 
 @pytest.mark.distributed
-def test_adopted_mixtral_trains_with_ep2_like_one_process():
-    for rank_steps in spawn(ep2_adopted_mixtral, 2, timeout=300):
-        for s in rank_steps:
-            assert s["loss"] < 1e-5 and s["grad"] < 1e-4, rank_steps
+def test_adopted_mixtral_and_qwen2_moe_train_with_ep2_like_one_process():
+    for by_model in spawn(ep2_adopted, 2, timeout=300):
+        for name, steps in by_model.items():
+            for s in steps:
+                assert s["loss"] < 1e-5 and s["grad"] < 1e-4, (name, steps)
 
 
 def test_a_meta_device_model_is_adopted_unchecked():
