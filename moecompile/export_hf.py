@@ -35,7 +35,9 @@ from .grad_sync import moe_blocks
 
 log = logging.getLogger(__name__)
 ARCHS = {"mixtral": ("MixtralConfig", "MixtralForCausalLM", ("llama", "mistral", "mixtral")),
-         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", ("qwen3", "qwen3_moe"))}
+         "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", ("qwen3", "qwen3_moe")),
+         # an adopted Qwen2-MoE only: its shared expert is gated, and an upcycled one is not
+         "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", ("qwen2_moe",))}
 _HF_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.mlp")
 
@@ -65,9 +67,12 @@ def _check(result: Any, arch: str, config: Any, blocks: dict[str, Any]) -> None:
         other = [a for a, v in ARCHS.items() if src in v[2]]
         _fail(arch, f"the source model is {src!r}, whose attention {arch} does not have",
               f"export it as {other[0]}" if other else f"{arch} takes models upcycled from {', '.join(ARCHS[arch][2])}")
-    if plan.shared_experts:
+    if plan.shared_experts and arch != "qwen2_moe":
         _fail(arch, f"the plan has {plan.shared_experts} shared expert(s), which {arch} has no place for",
               "convert with experts.shared_experts: 0")
+    if arch == "qwen2_moe" and any("shared_gate" not in info["params"] for info in blocks.values()):
+        _fail(arch, "its MoE layers need one gated shared expert each (adopted from a Qwen2-MoE)",
+              "export an upcycled model as mixtral or qwen3_moe")
     if plan.score != "softmax":
         _fail(arch, f"experts.score={plan.score!r}; its router is softmax", "convert with experts.score: softmax")
     if arch == "mixtral" and not plan.normalize:
@@ -124,17 +129,22 @@ def hf_config(result: Any, arch: str, config: Any) -> Any:
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
         num_experts_per_tok=plan.top_k, router_aux_loss_coef=plan.aux_loss_coeff,
     )
-    if arch == "mixtral":
+    moe_layers = {int(_LAYER.fullmatch(layer).group(1)) for layer in blocks}
+    dense_layers = [i for i in range(config.num_hidden_layers) if i not in moe_layers]
+    if arch == "qwen2_moe":  # adopted from a Qwen2-MoE: its own config, the experts' fields from the plan
+        cfg = config.__class__.from_dict(config.to_dict())
+        cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob = plan.num_experts, plan.top_k, plan.normalize
+        cfg.mlp_only_layers, cfg.decoder_sparse_step = dense_layers, 1
+    elif arch == "mixtral":
         cfg = transformers.MixtralConfig(
             **common, intermediate_size=F_dense, head_dim=_head_dim(config), num_local_experts=plan.num_experts,
             sliding_window=getattr(config, "sliding_window", None),
         )
     else:
-        moe_layers = {int(_LAYER.fullmatch(layer).group(1)) for layer in blocks}
         cfg = transformers.Qwen3MoeConfig(
             **common, intermediate_size=F_dense, moe_intermediate_size=F_expert,
             num_experts=plan.num_experts, norm_topk_prob=plan.normalize, decoder_sparse_step=1,
-            mlp_only_layers=[i for i in range(config.num_hidden_layers) if i not in moe_layers],
+            mlp_only_layers=dense_layers,
             attention_bias=bool(getattr(config, "attention_bias", False)), head_dim=_head_dim(config),
             use_sliding_window=False,
         )
@@ -165,10 +175,20 @@ def hf_state_dict(result: Any, world: Any = None) -> dict[str, torch.Tensor]:
         rename[p["router"]] = f"{layer}.gate.weight"
         rename[p["w_in"]] = f"{layer}.experts.gate_up_proj"
         rename[p["w_out"]] = f"{layer}.experts.down_proj"
+    shared = {}  # Qwen2-MoE's shared expert: parameter -> (HF name or names, how to cut it)
+    for layer, info in blocks.items():
+        p = info["params"]
+        if "shared_gate" in p:
+            rename[p["shared_gate"]] = f"{layer}.shared_expert_gate.weight"
+            shared[p["shared_w_in"]] = (f"{layer}.shared_expert.gate_proj.weight", f"{layer}.shared_expert.up_proj.weight")
+            shared[p["shared_w_out"]] = (f"{layer}.shared_expert.down_proj.weight",)
     expert_names = {blocks[layer]["params"][k] for layer in blocks for k in ("w_in", "w_out")}
     out = {}
     for name, t in module.named_parameters():
         value = t.detach()
+        if name in shared:  # [1, 2Fs, H] -> gate_proj, up_proj [Fs, H]; [1, H, Fs] -> down_proj
+            out.update(zip(shared[name], (v.contiguous().clone() for v in value[0].chunk(len(shared[name])))))
+            continue
         if name in expert_names:
             value = _gather_experts(value, world)
             E = next(i["num_experts"] for i in blocks.values() if name in (i["params"]["w_in"], i["params"]["w_out"]))

@@ -146,7 +146,8 @@ def test_a_block_that_computes_something_else_fails_the_check(monkeypatch):
         mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
 
 
-@pytest.mark.parametrize("name, arch", [("tiny-mixtral", "mixtral"), ("tiny-qwen3-moe", "qwen3_moe")])
+@pytest.mark.parametrize("name, arch", [("tiny-mixtral", "mixtral"), ("tiny-qwen3-moe", "qwen3_moe"),
+                                        ("tiny-qwen2-moe", "qwen2_moe")])
 def test_trained_adopted_model_exports_back_to_its_architecture(tmp_path, name, arch):
     from transformers import AutoModelForCausalLM
 
@@ -165,6 +166,10 @@ def test_trained_adopted_model_exports_back_to_its_architecture(tmp_path, name, 
     if arch == "qwen3_moe":  # the adopted expert width and the dense layer survive the round trip
         assert hf.config.moe_intermediate_size == 32 and hf.config.mlp_only_layers == [0]
         assert hf.config.norm_topk_prob is False
+    if arch == "qwen2_moe":  # the trained shared expert and its gate went back under their own names
+        shared = dict(result.module.named_parameters())["model.layers.1.mlp.shared_experts.w_gate_up"]
+        torch.testing.assert_close(hf.model.layers[1].mlp.shared_expert.up_proj.weight, shared[0, 64:].detach())
+        assert hf.config.shared_expert_intermediate_size == 64
     with torch.no_grad():
         torch.testing.assert_close(hf.eval()(ids).logits, result.module(ids).logits, rtol=1e-5, atol=1e-5)
 
