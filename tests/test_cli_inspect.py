@@ -111,3 +111,13 @@ def test_help_documents_every_option_files_models_and_plan_fields(capsys):
 def test_inspect_errors_say_what_to_change(argv, message, tmp_path, capsys):
     assert main(["inspect", *argv, "--out", str(tmp_path)]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_inspect_a_model_that_is_an_moe_already_takes_its_experts(tmp_path, capsys):
+    """No plan given: the plan's experts are the model's own (4, top-2), and import_moe adopts them."""
+    out = tmp_path / "mixtral"
+    assert main(["inspect", "--model", "tiny-mixtral", "--formats", "html", "--out", str(out), "--quiet"]) == 0
+    report = (out / "report.md").read_text()
+    assert "model.layers.1.mlp: adopted MixtralSparseMoeBlock, 4 experts top-2 silu GLU" in report
+    assert (out / "01_import_moe.html").stat().st_size > 0
+    assert Plan.from_file(out / "plan.yaml").experts.num_experts == 4
