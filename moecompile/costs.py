@@ -53,7 +53,7 @@ def _grouped_mm_wgrad_flop(grad_shape, x_shape, sizes_shape, out_shape=None, **k
     return 2 * n * o * x_shape[1]
 
 
-def _hf_grouped_mm_flop(x_shape, w_shape, offs_shape=None, *args, out_val=None, **kwargs) -> int:
+def _hf_grouped_mm_flop(x_shape, w_shape, *args, **kwargs) -> int:
     """transformers' grouped_mm: y_NO = x_NI @ w_EIO[e] per expert block, 2*N*I*O in all."""
     n, i = x_shape
     return 2 * n * i * w_shape[-1]

@@ -47,8 +47,10 @@ def adopted_grad(names: dict, hf_name: str) -> torch.Tensor:
     for old, (new, part) in RENAMES.items():
         if hf_name.endswith("mlp." + old):
             g = names[hf_name[: -len(old)] + new].grad
+            if part == 0:
+                return g
             half = g.shape[1] // 2
-            return {0: g, 1: g[0, :half] if part == 1 else None, 2: g[0, half:], 3: g[0]}[part]
+            return {1: g[0, :half], 2: g[0, half:], 3: g[0]}[part]
     return names[hf_name].grad
 
 
