@@ -7,6 +7,12 @@ Legend: T tokens, E experts, K top-k.
 
 The bias (DeepSeek-V3 aux-loss-free balancing) shifts which experts are
 *selected* but not the weights, so balancing never leaks into the gradient.
+
+Group-limited routing (DeepSeek-V3's node-limited routing, `groups` > 1): the E
+experts form `groups` equal groups; a group's score is the sum of its two best
+choice scores (one when a group holds one expert), each token keeps its `group_k`
+best groups, and its top-k is taken among their experts only. Like the bias it
+changes the selection, never the weights.
 """
 
 from typing import Optional
@@ -21,7 +27,7 @@ SCORES = ("softmax", "sigmoid")
 _SIGMOID_EPS = 1e-20
 
 
-def _check(logits_TE: Tensor, bias_E: Optional[Tensor], k: int, score: str) -> None:
+def _check(logits_TE: Tensor, bias_E: Optional[Tensor], k: int, score: str, groups: int = 1, group_k: int = 1) -> None:
     if logits_TE.dim() != 2:
         raise ValueError(f"route: logits_TE must be 2-D [T, E], got shape {tuple(logits_TE.shape)}")
     if not logits_TE.dtype.is_floating_point:
@@ -33,6 +39,13 @@ def _check(logits_TE: Tensor, bias_E: Optional[Tensor], k: int, score: str) -> N
         raise ValueError(f"route: score must be one of {SCORES}, got {score!r}")
     if bias_E is not None and tuple(bias_E.shape) != (E,):
         raise ValueError(f"route: bias_E must have shape ({E},), got {tuple(bias_E.shape)}")
+    if groups < 1 or E % groups:
+        raise ValueError(f"route: groups={groups} must be >= 1 and divide num_experts={E}")
+    if not 1 <= group_k <= groups:
+        raise ValueError(f"route: need 1 <= group_k <= groups, got group_k={group_k}, groups={groups}")
+    if k > group_k * (E // groups):
+        raise ValueError(f"route: k={k} exceeds the {group_k * (E // groups)} experts in group_k={group_k} "
+                         f"groups of {E // groups}")
 
 
 def _dtype(logits_TE: Tensor) -> torch.dtype:
@@ -44,13 +57,26 @@ def _scores(logits_TE: Tensor, score: str) -> Tensor:
     return logits_TE.softmax(-1) if score == "softmax" else logits_TE.sigmoid()
 
 
+def limit_to_groups(choice_TE: Tensor, groups: int, group_k: int) -> Tensor:
+    """`choice_TE` with every expert outside a token's `group_k` best groups set to -inf."""
+    if groups == 1:
+        return choice_TE
+    T, E = choice_TE.shape
+    per_group = choice_TE.view(T, groups, E // groups)
+    group_TG = per_group.topk(min(2, E // groups), dim=-1).values.sum(-1)
+    keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, group_TG.topk(group_k, dim=-1).indices, True)
+    return choice_TE.masked_fill(~keep_TG.repeat_interleave(E // groups, dim=1), float("-inf"))
+
+
 def route_ref(
-    logits_TE: Tensor, bias_E: Optional[Tensor], k: int, score: str, normalize: bool
+    logits_TE: Tensor, bias_E: Optional[Tensor], k: int, score: str, normalize: bool, groups: int = 1,
+    group_k: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """Pure-torch router: the CPU implementation and the test oracle."""
-    _check(logits_TE, bias_E, k, score)
+    _check(logits_TE, bias_E, k, score, groups, group_k)
     scores_TE = _scores(logits_TE, score)
     choice_TE = scores_TE if bias_E is None else scores_TE + bias_E.to(scores_TE.dtype)
+    choice_TE = limit_to_groups(choice_TE, groups, group_k)
     idx_TK = choice_TE.topk(k, dim=-1, sorted=True).indices
     weights_TK = scores_TE.gather(-1, idx_TK)
     if normalize:
@@ -61,22 +87,23 @@ def route_ref(
 
 @library.op("moecompile::route")
 def _route_op(
-    logits_TE: Tensor, bias_E: Optional[Tensor], k: int, score: str, normalize: bool
+    logits_TE: Tensor, bias_E: Optional[Tensor], k: int, score: str, normalize: bool, groups: int = 1,
+    group_k: int = 1,
 ) -> tuple[Tensor, Tensor]:
     impl = backend.implementation("route", logits_TE.device)
-    return impl(logits_TE, bias_E, k, score, normalize)
+    return impl(logits_TE, bias_E, k, score, normalize, groups, group_k)
 
 
 @_route_op.register_fake
-def _route_fake(logits_TE, bias_E, k, score, normalize):
-    _check(logits_TE, bias_E, k, score)
+def _route_fake(logits_TE, bias_E, k, score, normalize, groups=1, group_k=1):
+    _check(logits_TE, bias_E, k, score, groups, group_k)
     T = logits_TE.shape[0]
     weights_TK = logits_TE.new_empty((T, k), dtype=_dtype(logits_TE))
     return weights_TK, logits_TE.new_empty((T, k), dtype=torch.int64)
 
 
 def _setup_context(ctx, inputs, output):
-    logits_TE, _, _, score, normalize = inputs
+    logits_TE, _, _, score, normalize, _, _ = inputs
     weights_TK, idx_TK = output
     ctx.save_for_backward(logits_TE, weights_TK, idx_TK)
     ctx.score, ctx.normalize = score, normalize
@@ -116,11 +143,11 @@ def _route_backward_fake(grad_weights_TK, logits_TE, weights_TK, idx_TK, score, 
 def _backward(ctx, grad_weights_TK, _grad_idx):
     logits_TE, weights_TK, idx_TK = ctx.saved_tensors
     if grad_weights_TK is None:
-        return None, None, None, None, None
+        return None, None, None, None, None, None, None
     grad_logits_TE = torch.ops.moecompile.route_backward(
         grad_weights_TK.contiguous(), logits_TE, weights_TK, idx_TK, ctx.score, ctx.normalize
     )
-    return grad_logits_TE, None, None, None, None
+    return grad_logits_TE, None, None, None, None, None, None
 
 
 _route_op.register_autograd(_backward, setup_context=_setup_context)
@@ -134,10 +161,13 @@ def route(
     k: int = 2,
     score: str = "softmax",
     normalize: bool = True,
+    groups: int = 1,
+    group_k: int = 1,
 ) -> tuple[Tensor, Tensor]:
     """Top-k routing: `(weights_TK, idx_TK)`, experts sorted by descending choice score.
 
     `score` is "softmax" (Mixtral, Qwen3-MoE) or "sigmoid" (DeepSeek-V3);
-    `normalize` rescales each token's k weights to sum to 1.
+    `normalize` rescales each token's k weights to sum to 1; `groups` > 1 picks
+    among each token's `group_k` best expert groups only (see the module docstring).
     """
-    return torch.ops.moecompile.route(logits_TE, bias_E, k, score, normalize)
+    return torch.ops.moecompile.route(logits_TE, bias_E, k, score, normalize, groups, group_k)

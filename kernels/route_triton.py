@@ -6,8 +6,10 @@ One program owns BLOCK_T tokens' whole rows of logits: it computes the scores
 (softmax or sigmoid) in registers, selects the top k by k rounds of row-max
 (ties go to the lower expert), and writes weights and indices once; the
 unfused torch sequence is softmax, add, topk, gather, sum, divide: six
-kernels and five round trips through memory. Backward recomputes the scores
-from the logits instead of saving them.
+kernels and five round trips through memory. Group-limited routing scores
+each group in registers too (its best choice score, then its second best) and
+keeps the GROUP_K best groups by rounds of row-max before the top-k. Backward
+recomputes the scores from the logits instead of saving them.
 """
 import triton
 import triton.language as tl
@@ -33,11 +35,41 @@ def _scores(logits_ptr, rows, cols, T, E, stride_lt, SOFTMAX: tl.constexpr, ACC:
 
 
 @triton.jit
+def _first_max(x, cols, BLOCK: tl.constexpr):
+    """Each row's maximum and the lowest column holding it."""
+    best = tl.max(x, axis=1)
+    return best, tl.min(tl.where(x == best[:, None], cols[None, :], BLOCK), axis=1)
+
+
+@triton.jit
+def _limit_to_groups(choice, cols, group_size, GROUPS: tl.constexpr, GROUP_K: tl.constexpr,
+                     TOP2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_G: tl.constexpr):
+    """`choice` with the experts outside each row's GROUP_K best groups at -inf (route.limit_to_groups)."""
+    group_of = cols // group_size  # padded columns fall past the last group
+    gcols = tl.arange(0, BLOCK_G)
+    group_score = tl.full([BLOCK_T, BLOCK_G], float("-inf"), choice.dtype)
+    for g in tl.static_range(GROUPS):
+        c = tl.where((group_of == g)[None, :], choice, float("-inf"))
+        best, at = _first_max(c, cols, BLOCK_E)
+        total = best
+        if TOP2:
+            total += tl.max(tl.where(cols[None, :] == at[:, None], float("-inf"), c), axis=1)
+        group_score = tl.where(gcols[None, :] == g, total[:, None], group_score)
+    keep = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
+    for j in tl.static_range(GROUP_K):
+        _, sel = _first_max(group_score, gcols, BLOCK_G)
+        group_score = tl.where(gcols[None, :] == sel[:, None], float("-inf"), group_score)
+        keep = tl.where(group_of[None, :] == sel[:, None], 1, keep)
+    return tl.where(keep == 1, choice, float("-inf"))
+
+
+@triton.jit
 def _route_fwd_kernel(
     logits_ptr, bias_ptr, w_ptr, idx_ptr,
-    T, E, stride_lt, eps,
+    T, E, stride_lt, eps, group_size,
     K: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTMAX: tl.constexpr, NORMALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUPS: tl.constexpr, GROUP_K: tl.constexpr, TOP2: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
 ):
     rows = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
@@ -47,12 +79,13 @@ def _route_fwd_kernel(
     if HAS_BIAS:
         choice = s + tl.load(bias_ptr + cols, mask=cols < E, other=0.0).to(ACC)[None, :]
     choice = tl.where((cols < E)[None, :], choice, float("-inf"))
+    if GROUPS > 1:
+        choice = _limit_to_groups(choice, cols, group_size, GROUPS, GROUP_K, TOP2, BLOCK_T, BLOCK_E, BLOCK_G)
     kcols = tl.arange(0, BLOCK_K)
     w_tk = tl.zeros([BLOCK_T, BLOCK_K], dtype=ACC)
     idx_tk = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
     for j in tl.static_range(K):
-        best = tl.max(choice, axis=1)
-        sel = tl.min(tl.where(choice == best[:, None], cols[None, :], BLOCK_E), axis=1)
+        _, sel = _first_max(choice, cols, BLOCK_E)
         hit = cols[None, :] == sel[:, None]
         w_j = tl.sum(tl.where(hit, s, 0.0), axis=1)
         w_tk = tl.where(kcols[None, :] == j, w_j[:, None], w_tk)
@@ -114,9 +147,10 @@ def _eps(score: str, normalize: bool) -> float:
 
 
 def route_triton(
-    logits_TE: Tensor, bias_E: Tensor | None, k: int, score: str, normalize: bool
+    logits_TE: Tensor, bias_E: Tensor | None, k: int, score: str, normalize: bool, groups: int = 1,
+    group_k: int = 1,
 ) -> tuple[Tensor, Tensor]:
-    _check(logits_TE, bias_E, k, score)
+    _check(logits_TE, bias_E, k, score, groups, group_k)
     logits_TE = logits_TE if logits_TE.stride(-1) == 1 else logits_TE.contiguous()
     T, E = logits_TE.shape
     weights_TK = logits_TE.new_empty((T, k), dtype=_dtype(logits_TE))
@@ -125,9 +159,10 @@ def route_triton(
     if T:
         bias = logits_TE if bias_E is None else bias_E.contiguous()
         _route_fwd_kernel[(triton.cdiv(T, cfg["BLOCK_T"]),)](
-            logits_TE, bias, weights_TK, idx_TK, T, E, logits_TE.stride(0), _eps(score, normalize),
+            logits_TE, bias, weights_TK, idx_TK, T, E, logits_TE.stride(0), _eps(score, normalize), E // groups,
             K=k, HAS_BIAS=bias_E is not None, SOFTMAX=score == "softmax", NORMALIZE=normalize,
-            BLOCK_K=triton.next_power_of_2(k), **cfg)
+            GROUPS=groups, GROUP_K=group_k, TOP2=E // groups >= 2,
+            BLOCK_K=triton.next_power_of_2(k), BLOCK_G=triton.next_power_of_2(groups), **cfg)
     return weights_TK, idx_TK
 
 

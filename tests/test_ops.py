@@ -140,6 +140,32 @@ def test_route_matches_naive(case, T, E, k, H, score, normalize, biased, dtype):
     torch.testing.assert_close(w.double(), w_ref, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("E,k,groups,group_k,normalize", [(8, 2, 4, 2, True), (16, 4, 8, 3, False),
+                                                        (12, 3, 6, 3, True), (12, 2, 3, 1, True)])
+def test_grouped_route_matches_deepseek_v3_router(E, k, groups, group_k, normalize):
+    """Group-limited routing is Hugging Face's DeepSeek-V3 router (its weights before the scaling factor)."""
+    import transformers
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    torch.manual_seed(E + groups)
+    cfg = transformers.DeepseekV3Config(hidden_size=16, n_routed_experts=E, num_experts_per_tok=k, n_group=groups,
+                                        topk_group=group_k, norm_topk_prob=normalize, routed_scaling_factor=1.0)
+    router = DeepseekV3TopkRouter(cfg)
+    torch.nn.init.normal_(router.weight)
+    router.e_score_correction_bias.normal_(0, 0.1)
+    x = torch.randn(40, 16)
+    with torch.no_grad():
+        _, w_hf, idx_hf = router(x)
+        w, idx = mk.route(x @ router.weight.T, router.e_score_correction_bias, k, "sigmoid", normalize, groups,
+                          group_k)
+    order_hf, order = idx_hf.argsort(-1), idx.argsort(-1)  # HF's top-k is unsorted
+    assert torch.equal(idx_hf.gather(-1, order_hf), idx.gather(-1, order))
+    torch.testing.assert_close(w_hf.gather(-1, order_hf), w.gather(-1, order))
+    if group_k < groups:  # the limit binds: some token's plain top-k would have left its groups
+        assert not torch.equal(mk.route(x @ router.weight.T, router.e_score_correction_bias, k, "sigmoid",
+                                        normalize)[1].sort(-1).values, idx.sort(-1).values)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("capacity", [0, 1, 2])
 @pytest.mark.parametrize("case,T,E,k,H", CASES, ids=CASE_IDS)
@@ -352,6 +378,8 @@ def test_gradcheck_route():
                                    ("softmax", True, None, 5)]:
         assert mk.route(logits, b, k, score, normalize)[0].dtype == F64
         assert torch.autograd.gradcheck(lambda l: mk.route(l, b, k, score, normalize)[0], (logits,))
+    wide = torch.randn(6, 8, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda l: mk.route(l, None, 3, "sigmoid", True, 4, 2)[0], (wide,))
 
 
 @pytest.mark.parametrize("capacity,policy", [(0, "position"), (2, "position"), (2, "probs")])
@@ -514,6 +542,9 @@ def test_moe_block_exports_and_compiles(capacity):
     (lambda: mk.route(torch.randn(3, 4), None, 0, "softmax", True), "k=0"),
     (lambda: mk.route(torch.randn(3, 4), None, 2, "sparsemax", True), "sparsemax"),
     (lambda: mk.route(torch.randn(3, 4), torch.zeros(3), 2, "softmax", True), r"\(3,\)"),
+    (lambda: mk.route(torch.randn(3, 6), None, 2, "sigmoid", True, 4, 1), "groups=4 must be >= 1 and divide"),
+    (lambda: mk.route(torch.randn(3, 8), None, 2, "sigmoid", True, 4, 5), "group_k=5"),
+    (lambda: mk.route(torch.randn(3, 8), None, 3, "sigmoid", True, 4, 1), "k=3 exceeds the 2 experts"),
     (lambda: mk.permute(torch.randn(3, 4), torch.tensor([[0], [1], [4]]), torch.ones(3, 1), 4, 0,
                         "position"),
      "max 4"),

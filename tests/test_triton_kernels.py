@@ -122,9 +122,12 @@ def _routing(gen, T, E, K, empty_expert):
 @st.composite
 def route_cases(draw):
     E = draw(st.integers(1, 64))
-    return dict(T=draw(st.integers(1, 40)), E=E, K=draw(st.integers(1, min(8, E))),
+    groups = draw(st.sampled_from([g for g in (1, 1, 2, 3, 4, 8) if E % g == 0]))
+    group_k = draw(st.integers(1, groups))
+    return dict(T=draw(st.integers(1, 40)), E=E, K=draw(st.integers(1, min(8, group_k * (E // groups)))),
                 score=draw(st.sampled_from(["softmax", "sigmoid"])), normalize=draw(st.booleans()),
-                bias=draw(st.booleans()), dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 2**16)))
+                bias=draw(st.booleans()), dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 2**16)),
+                groups=groups, group_k=group_k)
 
 
 def check_route(case):
@@ -133,10 +136,12 @@ def check_route(case):
     # distinct logits (multiples of 1/16, exact in bf16): top-k has no ties to break differently
     logits = torch.stack([torch.randperm(E, generator=gen) for _ in range(T)]).float() / 16 - 2
     logits = logits.to(dtype).requires_grad_()
-    bias = torch.randn(E, generator=gen) * 0.01 if case["bias"] else None
+    groups, group_k = case.get("groups", 1), case.get("group_k", 1)
+    # groups sum two scores, which can tie across groups (sigmoid(a) + sigmoid(-a) = 1): a bias breaks ties
+    bias = torch.randn(E, generator=gen) * 0.01 if case["bias"] or groups > 1 else None
 
     def run():
-        w, idx = mk.route(logits, bias, K, case["score"], case["normalize"])
+        w, idx = mk.route(logits, bias, K, case["score"], case["normalize"], groups, group_k)
         return (w, idx, *grads(w, (logits,), case["seed"]))
     (w, idx, dl), (w_r, idx_r, dl_r) = both(run)
     assert torch.equal(idx, idx_r)
@@ -147,6 +152,10 @@ test_route, test_route_many = prop(route_cases(), examples=[
     dict(T=1, E=1, K=1, score="softmax", normalize=True, bias=False, dtype=torch.float32, seed=0),
     dict(T=33, E=64, K=8, score="sigmoid", normalize=True, bias=True, dtype=torch.bfloat16, seed=1),
     dict(T=5, E=3, K=3, score="softmax", normalize=False, bias=True, dtype=torch.float32, seed=2),
+    dict(T=20, E=64, K=8, score="sigmoid", normalize=True, bias=True, dtype=torch.float32, seed=3, groups=8,
+         group_k=4),  # DeepSeek-V3's shape, scaled down: 8 groups, 4 kept
+    dict(T=7, E=6, K=2, score="softmax", normalize=False, bias=False, dtype=torch.bfloat16, seed=4, groups=3,
+         group_k=2),
 ])(check_route)
 
 
