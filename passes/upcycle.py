@@ -7,7 +7,8 @@ Before (one Llama MLP)::
 After::
 
     x_TH = view(x, [-1, H]);  logits_TE = linear(x_TH, router.weight)
-    weights_TK, idx_TK = moecompile.route(logits_TE, expert_bias, k, score, normalize)
+    weights_TK, idx_TK = moecompile.route(logits_TE, expert_bias, k, score, normalize[, groups, group_k])
+    [weights_TK = weights_TK * route_scale]
     x_NH, row_src_N, sizes_E, load_E = moecompile.permute(x_TH, idx_TK, weights_TK, E, capacity, policy)
     w_N = where(row_src_N >= 0, weights_TK.view(-1)[row_src_N], 0)       # each row's routing weight
     h_NF = moecompile.glu(moecompile.grouped_mm(x_NH, experts.w_gate_up, sizes_E, None), "silu", w_N)
@@ -169,6 +170,7 @@ def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, load_group
     """
     E, k, S = cfg.num_experts, cfg.top_k, cfg.shared_experts
     in_act = weights_at == "activation"
+    groups = (cfg.route_groups, cfg.route_group_top_k) if cfg.route_groups > 1 else ()
 
     def expert_mlp(x, w_in, w_out, b_in, b_out, sizes, w_N=None):
         with annotate({"role": "experts"}):
@@ -184,7 +186,9 @@ def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, load_group
         with annotate({"role": "router"}):
             logits_TE = F.linear(x_TH, router)
         with annotate({"role": "route"}):
-            weights_TK, idx_TK = mc.route(logits_TE, bias, k, cfg.score, cfg.normalize)
+            weights_TK, idx_TK = mc.route(logits_TE, bias, k, cfg.score, cfg.normalize, *groups)
+            if cfg.route_scale != 1.0:
+                weights_TK = weights_TK * cfg.route_scale
         with annotate({"role": "permute"}):
             x_NH, row_src_N, sizes_E, load_E = mc.permute(x_TH, idx_TK, weights_TK, E, capacity, cfg.drop_policy)
         if load_group is not None:

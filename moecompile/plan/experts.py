@@ -33,6 +33,16 @@ class ExpertsConfig(Section):
     )
     score: Literal["softmax", "sigmoid"] = doc_field("softmax", "Router score function.")
     normalize: bool = doc_field(True, "Renormalise the top-k weights to sum to 1 (needed for exact upcycling).")
+    route_groups: int = doc_field(
+        1, "Group-limited routing (DeepSeek-V3's n_group): the experts form this many equal groups, each scored by "
+        "the sum of its two best choice scores, and a token picks its top-k among its route_group_top_k best "
+        "groups only. 1: no groups."
+    )
+    route_group_top_k: int = doc_field(1, "Groups each token may pick from (DeepSeek-V3's topk_group).")
+    route_scale: float = doc_field(
+        1.0, "Multiplies every routing weight after any renormalisation (DeepSeek-V3's routed_scaling_factor); "
+        "1 keeps exact upcycling."
+    )
     apply_weights: Literal["auto", "activation", "combine"] = doc_field(
         "auto",
         "Where each routed row's weight is multiplied in. 'combine': on the expert outputs [T*k, H] as the "
@@ -82,6 +92,16 @@ class ExpertsConfig(Section):
             self.fail("top_k", f"must be a multiple of granularity ({G}) so a token can take whole FFN copies")
         if self.shared_experts < 0:
             self.fail("shared_experts", "must be >= 0")
+        groups, group_k = self.route_groups, self.route_group_top_k
+        if groups < 1 or E % groups:
+            self.fail("route_groups", f"must be >= 1 and divide num_experts ({E}) into equal groups")
+        if not 1 <= group_k <= groups:
+            self.fail("route_group_top_k", f"must be between 1 and route_groups ({groups})")
+        if k > group_k * (E // groups):
+            self.fail("top_k", f"must be at most the {group_k * (E // groups)} experts in route_group_top_k "
+                      f"({group_k}) groups of {E // groups}")
+        if not self.route_scale > 0:
+            self.fail("route_scale", "must be > 0")
         for coeff in ("aux_loss_coeff", "z_loss_coeff", "router_noise", "expert_bias_rate"):
             if getattr(self, coeff) < 0:
                 self.fail(coeff, "must be >= 0")
