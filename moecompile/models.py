@@ -73,6 +73,14 @@ MODELS: dict[str, ZooEntry] = {
         _hf("Qwen2MoeConfig", **_TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
             shared_expert_intermediate_size=64),
     ),
+    "tiny-deepseek-v3": ZooEntry(
+        "DeepSeek-V3 (MLA; 8 experts top-2 of width 16 routed within 2 of 4 groups, sigmoid scores with a "
+        "selection bias, scaled by 2.5, an ungated shared expert; layer 0 dense)",
+        _hf("DeepseekV3Config", **{**_TINY, "num_key_value_heads": 4}, moe_intermediate_size=16, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=8),
+    ),
     "small-llama": ZooEntry(
         "Llama, 4 layers, hidden 256, FFN 688, vocab 1024 (for benchmarks)",
         _hf("LlamaConfig", **{**_TINY, "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 688,
@@ -91,6 +99,10 @@ def has_weights(name_or_path: str | Path) -> bool:
     return str(name_or_path) not in MODELS and path.is_dir() and any((path / f).is_file() for f in WEIGHT_FILES)
 
 
+# model types whose router is DeepSeek-V3's: sigmoid scores, a selection bias, group-limited, scaled
+GROUPED_SIGMOID_ROUTERS = ("deepseek_v3", "glm4_moe")
+
+
 def own_experts(config: Any) -> dict[str, Any]:
     """The ``experts`` plan fields a model with MoE layers of its own fixes (empty for a dense model).
 
@@ -103,6 +115,11 @@ def own_experts(config: Any) -> dict[str, Any]:
     fields = {"num_experts": int(num), "top_k": int(top_k), "normalize": bool(getattr(config, "norm_topk_prob", True))}
     if getattr(config, "shared_expert_intermediate_size", 0):  # Qwen2-MoE's gated shared expert
         fields["shared_experts"] = 1
+    if getattr(config, "model_type", None) in GROUPED_SIGMOID_ROUTERS:
+        fields |= {"score": "sigmoid", "expert_bias": True, "route_groups": int(config.n_group),
+                   "route_group_top_k": int(config.topk_group), "route_scale": float(config.routed_scaling_factor)}
+        if getattr(config, "n_shared_experts", 0):  # however many, one GLU of n_shared * moe_intermediate_size
+            fields["shared_experts"] = 1
     return fields
 
 

@@ -1,24 +1,31 @@
-"""Pass ``import_moe``: adopt the MoE blocks a model already has (Mixtral, Qwen3-MoE, OLMoE...).
+"""Pass ``import_moe``: adopt the MoE blocks a model already has (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3).
 
 Hugging Face's MoE layers (transformers 5) keep their experts fused, in moecompile's own layout::
 
-    <layer>.gate.weight              [E, H]       router (softmax -> top-k [-> renormalise])
+    <layer>.gate.weight              [E, H]       router (softmax / sigmoid -> top-k [-> renormalise])
     <layer>.experts.gate_up_proj     [E, 2F, H]   gate rows first
     <layer>.experts.down_proj        [E, H, F]
 
 Each such block is replaced by moecompile's (the one ``upcycle`` builds), holding the same
 tensors, so expert parallelism, overlap, FP8, recompute, the train step and ``export_hf``
-treat it like an upcycled layer. What the block does is read from its graph (top-k, the
-score function, the renormalisation, the activation) and then checked, not trusted: the
-new block must reproduce the old one on the activations the example inputs produce.
+treat it like an upcycled layer. What the block does is read from its graph and then
+checked, not trusted: the new block must reproduce the old one on the activations the
+example inputs produce. The router is read backwards from its last top-k: a group mask
+(``masked_fill``) before it means group-limited routing, whose group count and kept groups
+come from the top-ks that build the mask; a tensor of the block added to the scores is a
+selection bias (``gate.e_score_correction_bias``, which becomes ``router.expert_bias`` and
+keeps training under ``experts.expert_bias_rate``); the weights are the top-k scores or the
+scores gathered at its indices, maybe renormalised (a ``div``), maybe scaled (a ``mul``).
+A shared expert is Qwen2-MoE's gated GLU or DeepSeek-V3's ungated one.
 
-The plan describes the experts the model has: ``experts.num_experts``, ``top_k``, ``score``
-and ``normalize`` must equal the model's (a :class:`PlanError` says which to set), and
-granularity / shared experts, which only mean something when upcycling, must be 1 / 0.
-Anything else in a block (a shared expert, a selection bias, jitter noise, router logits
-used outside it) is an :class:`UnsupportedMoE` error that names it. ``experts.adopt: false``
-leaves every block as the model's own code. The model's dense FFNs stay dense unless
-``experts.layers`` names them (``upcycle``).
+The plan describes the experts the model has: ``experts.num_experts``, ``top_k``, ``score``,
+``normalize``, ``shared_experts``, ``route_groups``, ``route_group_top_k`` and
+``route_scale`` must equal the model's, and ``expert_bias`` be on when it has a selection
+bias (a :class:`PlanError` says which to set); granularity, which only means something when
+upcycling, must be 1. Anything else in a block (jitter noise, router logits used outside
+it, another kind of router) is an :class:`UnsupportedMoE` error that names it.
+``experts.adopt: false`` leaves every block as the model's own code. The model's dense
+FFNs stay dense unless ``experts.layers`` names them (``upcycle``).
 """
 
 from __future__ import annotations
@@ -40,17 +47,36 @@ aten = torch.ops.aten
 
 # block tensor key -> Hugging Face parameter name under the block's module path
 HF_NAMES = {"router": "gate.weight", "w_in": "experts.gate_up_proj", "w_out": "experts.down_proj"}
-# Qwen2-MoE's shared expert: a GLU beside the routed experts, behind a per-token sigmoid gate
-HF_SHARED = {"gate": "shared_expert.gate_proj.weight", "up": "shared_expert.up_proj.weight",
-             "down": "shared_expert.down_proj.weight", "shared_gate": "shared_expert_gate.weight"}
+# the shared experts moecompile's block can be: a GLU beside the routed experts, Qwen2-MoE's behind a
+# per-token sigmoid gate, DeepSeek-V3's (n_shared_experts of them fused into one wide GLU) ungated
+SHARED_LAYOUTS = (
+    {"gate": "shared_expert.gate_proj.weight", "up": "shared_expert.up_proj.weight",
+     "down": "shared_expert.down_proj.weight", "shared_gate": "shared_expert_gate.weight"},
+    {"gate": "shared_experts.gate_proj.weight", "up": "shared_experts.up_proj.weight",
+     "down": "shared_experts.down_proj.weight"},
+)
 _ACTS = {aten.silu.default: "silu", aten.relu.default: "relu", aten.gelu.default: "gelu"}
 _SCORES = {aten.softmax.int: "softmax", aten._softmax.default: "softmax", aten.sigmoid.default: "sigmoid"}
 _RANDOM = {aten.uniform_.default, aten.uniform.default, aten.rand_like.default, aten.randn_like.default,
            aten.normal_.default}
+_DIV = (aten.div.Tensor, aten.div_.Tensor)
 
 
 class UnsupportedMoE(MoecompileError):
     """A model's MoE block computes something moecompile's block does not; the message names what."""
+
+
+@dataclasses.dataclass
+class Router:
+    """What a block's router computes, in the plan's terms."""
+
+    top_k: int
+    score: str
+    normalize: bool
+    bias: str | None = None  # the selection bias's name, if the scores are shifted before the top-k
+    route_groups: int = 1
+    route_group_top_k: int = 1
+    route_scale: float = 1.0
 
 
 @dataclasses.dataclass
@@ -63,25 +89,40 @@ class ExistingBlock:
     x: fx.Node  # its input [..., H]
     out: fx.Node  # its output, the one value used outside it
     params: dict[str, str]  # "router" / "w_in" / "w_out" -> parameter name
-    shared: dict[str, str]  # HF_SHARED keys -> parameter name, when the block has a shared expert
+    shared: dict[str, str]  # SHARED_LAYOUTS keys -> parameter name, when the block has a shared expert
     num_experts: int
-    top_k: int
-    score: str
-    normalize: bool
+    router: Router
     act: str
 
-    @property
-    def shared_experts(self) -> int:
-        return 1 if self.shared else 0
+    def plan_fields(self) -> dict[str, object]:
+        """The ``experts`` plan fields this block fixes, as the model has them."""
+        r = self.router
+        return {"num_experts": self.num_experts, "top_k": r.top_k, "score": r.score, "normalize": r.normalize,
+                "shared_experts": 1 if self.shared else 0, "route_groups": r.route_groups,
+                "route_group_top_k": r.route_group_top_k, "route_scale": r.route_scale}
+
+    def hf_names(self) -> list[str]:
+        return [*self.params.values(), *self.shared.values(), *([self.router.bias] if self.router.bias else [])]
+
+    def describe(self) -> str:
+        r = self.router
+        groups = f" within {r.route_group_top_k} of {r.route_groups} groups" if r.route_groups > 1 else ""
+        bias = " (biased selection)" if r.bias else ""
+        weights = ("renormalised" if r.normalize else "unnormalised") + (f" x{r.route_scale:g}" if r.route_scale != 1 else "")
+        shared = " + a gated shared expert" if "shared_gate" in self.shared else " + a shared expert" if self.shared else ""
+        return f"{self.num_experts} experts top-{r.top_k}{groups} {r.score}{bias} {weights} {self.act} GLUs{shared}"
 
     def tensors(self, gm: fx.GraphModule) -> dict[str, torch.Tensor]:
         """The block's tensors by moecompile's keys (the shared GLU's gate and up fused, as the experts')."""
         out = {k: get_attr_value(gm, n) for k, n in self.params.items()}
+        if self.router.bias:
+            out["bias"] = get_attr_value(gm, self.router.bias)
         if self.shared:
             w = {k: get_attr_value(gm, n) for k, n in self.shared.items()}
             out["shared_w_in"] = torch.cat([w["gate"], w["up"]])[None]  # [1, 2Fs, H]
             out["shared_w_out"] = w["down"][None]  # [1, H, Fs]
-            out["shared_gate"] = w["shared_gate"]  # [1, H]
+            if "shared_gate" in w:
+                out["shared_gate"] = w["shared_gate"]  # [1, H]
         return out
 
 
@@ -89,6 +130,49 @@ def find_blocks(gm: fx.GraphModule) -> list[str]:
     """The module path of every block whose fused expert tensors sit under it."""
     suffix = "." + HF_NAMES["w_in"]
     return sorted({n.target[: -len(suffix)] for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith(suffix)})
+
+
+def read_router(nodes: list[fx.Node], fail) -> Router:
+    """The router, read backwards from the block's last top-k (the one that picks the experts)."""
+    topks = [n for n in nodes if n.target is aten.topk.default]
+    if not topks:
+        fail("its router has no top-k", "moecompile adopts top-k routers")
+    pick = topks[-1]
+    choice, groups, group_k = pick.args[0], 1, 1
+    if choice.target is aten.masked_fill.Scalar:  # a group mask: DeepSeek-V3's group-limited routing
+        per_group = [t for t in topks[:-1] if t.args[0].meta["val"].dim() == 3]  # top-2 in each group [T, G, E/G]
+        kept = [t for t in topks[:-1] if t not in per_group]  # the best groups [T, G]
+        if len(per_group) != 1 or len(kept) != 1 or per_group[0].args[1] != 2:
+            fail("its router masks the scores otherwise than by groups scored by their top-2",
+                 "moecompile adopts DeepSeek-V3's group-limited routing")
+        groups, group_k = int(per_group[0].args[0].meta["val"].shape[1]), int(kept[0].args[1])
+        choice = choice.args[0]
+    elif len(topks) != 1:
+        fail(f"its router takes {len(topks)} top-ks", "moecompile adopts one top-k, or DeepSeek-V3's groups")
+    bias = None
+    if choice.target is aten.add.Tensor:  # scores + a tensor of the block: a selection bias
+        attrs = [a for a in choice.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+        if len(attrs) != 1:
+            fail("its router adds something to the scores that is not one bias tensor",
+                 "moecompile's selection bias is one [E] tensor")
+        bias = attrs[0].target
+        choice = next(a for a in choice.args if a is not attrs[0])
+    if choice.target not in _SCORES:
+        fail(f"its top-k picks from {choice.target}, not softmax or sigmoid scores", "moecompile adopts those routers")
+    values = next((u for u in pick.users if u.args[1] == 0 and u.users), None)  # the top-k scores (getitem 0)
+    indices = next((u for u in pick.users if u.args[1] == 1), None)
+    gathered = [n for n in nodes if n.target is aten.gather.default and n.args[0] is choice and n.args[2] is indices]
+    weights = gathered[0] if gathered else values
+    if weights is None:
+        fail("its routing weights are neither the top-k scores nor the scores at the top-k",
+             "moecompile adopts those routers")
+    if bias and weights is values:
+        fail(f"its routing weights are the biased scores ({bias} added)", "moecompile weighs by unbiased scores")
+    divided = next((n for n in nodes if n.target in _DIV and n.args[0] is weights), None)
+    last = divided or weights
+    scaled = next((u for u in last.users if u.target is aten.mul.Tensor and isinstance(u.args[1], (int, float))), None)
+    return Router(int(pick.args[1]), _SCORES[choice.target], divided is not None, bias, groups, group_k,
+                  float(scaled.args[1]) if scaled is not None else 1.0)
 
 
 def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
@@ -106,15 +190,16 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
 
     attrs = {a.target for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}
     params = {k: f"{layer}.{v}" for k, v in HF_NAMES.items()}
-    shared = {k: f"{layer}.{v}" for k, v in HF_SHARED.items()}
-    shared = shared if set(shared.values()) <= attrs else {}
-    extra = sorted(attrs - set(params.values()) - set(shared.values()))
-    if extra:
-        fail(f"it reads {', '.join(extra)} beside the router, the experts and a gated shared GLU (a selection "
-             "bias, expert biases, another shared expert)", "moecompile adopts blocks of a router, fused GLU "
-             "experts and at most one gated shared GLU")
+    layouts = [{k: f"{layer}.{v}" for k, v in names.items()} for names in SHARED_LAYOUTS]
+    shared = next((names for names in layouts if set(names.values()) <= attrs), {})
     if any(n.target in _RANDOM for n in nodes):
         fail("it draws random numbers (router jitter noise)", "set config.router_jitter_noise = 0 before tracing")
+    router = read_router(nodes, fail)
+    extra = sorted(attrs - set(params.values()) - set(shared.values()) - {router.bias})
+    if extra:
+        fail(f"it reads {', '.join(extra)} beside the router, its selection bias, the experts and a shared GLU "
+             "(expert biases, another shared expert, a bias used elsewhere than in the selection)",
+             "moecompile adopts blocks of a router, fused GLU experts and at most one shared GLU")
     tensors = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
                                  if a not in inside and a.op != "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)))
     if len(tensors) != 1:
@@ -124,11 +209,6 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
     if len(outs) != 1:
         fail(f"{len(outs)} of its values are used outside it (router logits returned too?)",
              "set config.output_router_logits = False: moecompile computes the router losses the plan asks for")
-    topk = [n for n in nodes if n.target is aten.topk.default]
-    if len(topk) != 1 or topk[0].args[0].target not in _SCORES:
-        fail("its router is not one top-k over softmax or sigmoid scores", "moecompile adopts plain top-k routers")
-    values = next((u for u in topk[0].users if u.args[1] == 0), None)  # the top-k scores (getitem 0)
-    normalize = any(n.target in (aten.div.Tensor, aten.div_.Tensor) and n.args[0] is values for n in nodes)
     acts = [n for n in nodes if n.target in _ACTS]
     if len({(a.target, a.kwargs.get("approximate"), a.args[1:]) for a in acts}) != 1:
         fail("its expert activation is not one silu / gelu / relu", "moecompile's experts are GLUs of one of those")
@@ -145,17 +225,20 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
     if any(a.op == "get_attr" for n in shapes for a in n.all_input_nodes):
         fail("sizes it computes from its weights are used outside it", "moecompile adopts self-contained blocks")
     return ExistingBlock(layer, kind, [n for n in nodes if n not in shapes], tensors[0], outs[0], params, shared,
-                         int(w_in.shape[0]), int(topk[0].args[1]), _SCORES[topk[0].args[0].target], normalize, act)
+                         int(w_in.shape[0]), router, act)
 
 
 def check_plan(cfg: ExpertsConfig, block: ExistingBlock) -> None:
     """The plan must describe the experts the model has; the error says what to set."""
-    for field in ("num_experts", "top_k", "score", "normalize", "shared_experts"):
-        want = getattr(block, field)
+    for field, want in block.plan_fields().items():
         if getattr(cfg, field) != want:
             raise PlanError(f"experts.{field}", getattr(cfg, field),
                             f"{block.layer} is already a {block.kind} with {field} = {want!r}; the plan describes "
                             f"the experts the model has: set experts.{field}: {str(want).lower()}")
+    if block.router.bias and not cfg.expert_bias:
+        raise PlanError("experts.expert_bias", False,
+                        f"{block.layer} ({block.kind}) shifts its expert selection by {block.router.bias}; "
+                        "without it the routing would change: set experts.expert_bias: true")
     if cfg.granularity != 1:
         raise PlanError("experts.granularity", cfg.granularity,
                         f"{block.layer} ({block.kind}) already has its experts; granularity applies when "
@@ -183,16 +266,15 @@ def check_reproduces(gm: fx.GraphModule, cfg: ExpertsConfig, block: ExistingBloc
                      want: torch.Tensor) -> float:
     """moecompile's block (dropless) on the recorded input must give the recorded output; returns the error."""
     tensors = {k: t.detach() for k, t in block.tensors(gm).items()}
-    bias = torch.zeros(cfg.num_experts, device=x.device) if cfg.expert_bias else None
+    if cfg.expert_bias and "bias" not in tensors:  # a bias the plan adds starts at zero
+        tensors["bias"] = torch.zeros(cfg.num_experts, device=x.device)
     with torch.no_grad():
-        got, _ = moe_block(cfg, block.act, True, 0, weights_at=where)(x, bias=bias, **tensors)
+        got, _ = moe_block(cfg, block.act, True, 0, weights_at=where)(x, **tensors)
     error = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))
     tolerance = 1e-4 if want.dtype == torch.float32 else 3e-2
     if not error <= tolerance:
-        read_as = (f"{block.num_experts} experts top-{block.top_k} {block.score} "
-                   f"{'renormalised' if block.normalize else 'unnormalised'} {block.act} GLUs")
         raise UnsupportedMoE(
-            f"{block.layer} ({block.kind}): moecompile's block, read as {read_as}, differs from it by {error:.2e} "
+            f"{block.layer} ({block.kind}): moecompile's block, read as {block.describe()}, differs from it by {error:.2e} "
             f"(relative max, tolerance {tolerance:g}), so the block computes something else; write a pass "
             "for it, or convert its dense source instead")
     return error
@@ -220,16 +302,14 @@ def import_moe(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             check = f"reproduces it to {error:.1e}"
         params = register_block(gm, block.layer, block.tensors(gm), True, cfg)
         capacity = insert_block(gm, ctx, block.out, block.x, block.layer, params, block.act, True, where)
-        hf_names = [*block.params.values(), *block.shared.values()]
+        hf_names = block.hf_names()
         hf_attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in hf_names]
         for n in [*reversed(block.nodes), *hf_attrs]:  # users before what they use
             if not n.users:
                 gm.graph.erase_node(n)
         delete_unused_attrs(gm, hf_names)
         ctx.decide(
-            f"{block.layer}: adopted {block.kind}, {block.num_experts} experts top-{block.top_k} {block.act} GLU"
-            f"{' + a gated shared expert' if block.shared else ''} "
-            f"({'dropless' if not capacity else f'capacity {capacity}'}, routing weights at the {where}); {check}"
+            f"{block.layer}: adopted {block.kind}, {block.describe()} ({'dropless' if not capacity else f'capacity {capacity}'}, routing weights at the {where}); {check}"
         )
     ctx.record(layers=layers)
     return PassResult(gm, bool(blocks))

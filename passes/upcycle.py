@@ -128,13 +128,13 @@ def register_block(gm: fx.GraphModule, layer: str, tensors: dict[str, torch.Tens
     """Add a block's tensors under the layer's module path, by moecompile's names; returns key -> name.
 
     ``tensors`` keys: "router", "w_in", "w_out", and optionally biases and shared experts.
-    The selection bias (``experts.expert_bias``) is added here, zero, as a buffer.
+    The selection bias (``experts.expert_bias``) is a buffer, zero unless ``tensors`` has one.
     """
     names = dict(_PARAM_NAMES[glu])
     names |= {f"shared_{k}": n.replace("experts.", "shared_experts.") for k, n in names.items()}
     names |= {"router": "router.weight", "bias": "router.expert_bias", "shared_gate": "shared_experts.gate.weight"}
     prefix = f"{layer}." if layer else ""
-    if cfg.expert_bias:
+    if cfg.expert_bias and "bias" not in tensors:
         tensors = {**tensors, "bias": torch.zeros(cfg.num_experts, device=tensors["w_in"].device)}
     return {k: add_parameter(gm, prefix + names[k], t, requires_grad=k != "bias") for k, t in tensors.items()}
 
