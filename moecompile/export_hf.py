@@ -3,6 +3,7 @@
     mc.export_hf(result, "out/", arch="mixtral", config=dense.config)     # Llama / Mistral source
     mc.export_hf(result, "out/", arch="qwen3_moe", config=dense.config)   # Qwen3 source
     mc.export_hf(result, "out/", arch="mixtral")    # an adopted Mixtral (import_moe) goes back as it came
+    mc.export_hf(result, "out/", arch="deepseek_v3")   # so does an adopted DeepSeek-V3 (or qwen2_moe, glm4_moe)
     AutoModelForCausalLM.from_pretrained("out/")    # same logits as result.module
 
 Writes ``config.json`` and ``model.safetensors`` in transformers 5's layout, where a
@@ -12,10 +13,13 @@ layer's experts are fused 3-D parameters, exactly moecompile's own::
     <layer>.experts.w_gate_up    [E, 2F, H]    -> <layer>.experts.gate_up_proj   (gate rows first)
     <layer>.experts.w_down       [E, H, F]     -> <layer>.experts.down_proj
 
+An adopted model's shared expert and selection bias go back to its own names
+(``shared_expert(s).*``, ``gate.e_score_correction_bias``, trained by ``expert_bias_rate``).
 Everything else keeps its name. With ep > 1 every rank calls it; the experts are gathered
 over the expert-parallel group and rank 0 writes. What the target cannot express (shared
-experts, sigmoid scores, a selection bias, FFN biases, fine-grained experts into Mixtral,
-dense layers into Mixtral...) is an :class:`ExportError` that says what to change.
+experts, sigmoid scores, a selection bias, grouped routing into Mixtral or Qwen3-MoE, FFN
+biases, fine-grained experts into Mixtral, dense layers into Mixtral...) is an
+:class:`ExportError` that says what to change.
 """
 
 from __future__ import annotations
@@ -36,8 +40,13 @@ from .grad_sync import moe_blocks
 log = logging.getLogger(__name__)
 ARCHS = {"mixtral": ("MixtralConfig", "MixtralForCausalLM", ("llama", "mistral", "mixtral")),
          "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", ("qwen3", "qwen3_moe")),
-         # an adopted Qwen2-MoE only: its shared expert is gated, and an upcycled one is not
-         "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", ("qwen2_moe",))}
+         # adopted models only, exported with their own config: Qwen2-MoE's shared expert is gated, and
+         # an upcycled one is not; DeepSeek-V3's and GLM-4.5's attention and router are their own
+         "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", ("qwen2_moe",)),
+         "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", ("deepseek_v3",)),
+         "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", ("glm4_moe",))}
+ADOPTED_ONLY = ("qwen2_moe", "deepseek_v3", "glm4_moe")
+GROUPED_SIGMOID = ("deepseek_v3", "glm4_moe")  # sigmoid scores, a selection bias, groups, a scale
 _HF_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.mlp")
 
@@ -67,14 +76,30 @@ def _check(result: Any, arch: str, config: Any, blocks: dict[str, Any]) -> None:
         other = [a for a, v in ARCHS.items() if src in v[2]]
         _fail(arch, f"the source model is {src!r}, whose attention {arch} does not have",
               f"export it as {other[0]}" if other else f"{arch} takes models upcycled from {', '.join(ARCHS[arch][2])}")
-    if plan.shared_experts and arch != "qwen2_moe":
+    if plan.shared_experts and arch not in ADOPTED_ONLY:
         _fail(arch, f"the plan has {plan.shared_experts} shared expert(s), which {arch} has no place for",
               "convert with experts.shared_experts: 0")
-    if arch == "qwen2_moe" and any("shared_gate" not in info["params"] for info in blocks.values()):
-        _fail(arch, "its MoE layers need one gated shared expert each (adopted from a Qwen2-MoE)",
-              "export an upcycled model as mixtral or qwen3_moe")
-    if plan.score != "softmax":
-        _fail(arch, f"experts.score={plan.score!r}; its router is softmax", "convert with experts.score: softmax")
+    if arch in ADOPTED_ONLY:
+        gated = arch == "qwen2_moe"
+        wants_shared = gated or bool(getattr(config, "n_shared_experts", 0))
+        for layer, info in blocks.items():
+            p = info["params"]
+            if ("shared_w_in" in p) != wants_shared or ("shared_gate" in p) != gated:
+                _fail(arch, f"{layer} is not the MoE layer of a {config.__class__.__name__} (its shared expert "
+                      "differs); only models adopted from it export as it", "export an upcycled model as mixtral "
+                      "or qwen3_moe")
+    score = "sigmoid" if arch in GROUPED_SIGMOID else "softmax"
+    if plan.score != score:
+        _fail(arch, f"experts.score={plan.score!r}; its router is {score}", f"convert with experts.score: {score}")
+    if arch not in GROUPED_SIGMOID and (plan.route_groups > 1 or plan.route_scale != 1):
+        _fail(arch, "the plan routes within groups or scales the routing weights, which its router does not",
+              "convert with experts.route_groups: 1 and route_scale: 1")
+    if arch in GROUPED_SIGMOID:
+        first_dense = getattr(config, "first_k_dense_replace", 0)
+        moe = sorted(int(_LAYER.fullmatch(layer).group(1)) for layer in blocks if _LAYER.fullmatch(layer))
+        if moe != list(range(first_dense, config.num_hidden_layers)):
+            _fail(arch, f"its MoE layers are {moe}; {arch}'s are those from first_k_dense_replace "
+                  f"({first_dense}) on", "leave experts.layers out when converting an adopted model")
     if arch == "mixtral" and not plan.normalize:
         _fail(arch, "experts.normalize=false; Mixtral always renormalises the top-k weights",
               "convert with experts.normalize: true, or export as qwen3_moe (norm_topk_prob)")
@@ -92,7 +117,7 @@ def _check(result: Any, arch: str, config: Any, blocks: dict[str, Any]) -> None:
             _fail(arch, f"{layer} is a plain MLP; {arch} experts are gated (act(x Wg) * x Wu)", "upcycle a GLU model")
         if any(k in info["params"] for k in ("b_in", "b_out")):
             _fail(arch, f"{layer}'s experts have biases", f"{arch} experts have none")
-    if plan.expert_bias:
+    if plan.expert_bias and arch not in GROUPED_SIGMOID:
         bufs = dict(result.module.named_buffers())
         for layer, info in blocks.items():
             b = bufs.get(info["params"].get("bias", ""))
@@ -131,10 +156,14 @@ def hf_config(result: Any, arch: str, config: Any) -> Any:
     )
     moe_layers = {int(_LAYER.fullmatch(layer).group(1)) for layer in blocks}
     dense_layers = [i for i in range(config.num_hidden_layers) if i not in moe_layers]
-    if arch == "qwen2_moe":  # adopted from a Qwen2-MoE: its own config, the experts' fields from the plan
+    if arch in ADOPTED_ONLY:  # its own config, the experts' fields from the plan
         cfg = config.__class__.from_dict(config.to_dict())
-        cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob = plan.num_experts, plan.top_k, plan.normalize
-        cfg.mlp_only_layers, cfg.decoder_sparse_step = dense_layers, 1
+        cfg.num_experts_per_tok, cfg.norm_topk_prob = plan.top_k, plan.normalize
+        if arch == "qwen2_moe":
+            cfg.num_experts, cfg.mlp_only_layers, cfg.decoder_sparse_step = plan.num_experts, dense_layers, 1
+        else:
+            cfg.n_routed_experts, cfg.n_group, cfg.topk_group = plan.num_experts, plan.route_groups, plan.route_group_top_k
+            cfg.routed_scaling_factor = plan.route_scale
     elif arch == "mixtral":
         cfg = transformers.MixtralConfig(
             **common, intermediate_size=F_dense, head_dim=_head_dim(config), num_local_experts=plan.num_experts,
@@ -165,8 +194,12 @@ def _gather_experts(t: torch.Tensor, world: Any) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def hf_state_dict(result: Any, world: Any = None) -> dict[str, torch.Tensor]:
-    """Tensors under Hugging Face names, experts whole (gathered over ep when sharded)."""
+def hf_state_dict(result: Any, world: Any = None, selection_bias: bool = False) -> dict[str, torch.Tensor]:
+    """Tensors under Hugging Face names, experts whole (gathered over ep when sharded).
+
+    ``selection_bias``: write each router's expert bias as ``gate.e_score_correction_bias``
+    (zero where the plan has none), as DeepSeek-V3's router applies it.
+    """
     module = result.module
     blocks = moe_blocks(module)
     rename: dict[str, str] = {}
@@ -175,13 +208,16 @@ def hf_state_dict(result: Any, world: Any = None) -> dict[str, torch.Tensor]:
         rename[p["router"]] = f"{layer}.gate.weight"
         rename[p["w_in"]] = f"{layer}.experts.gate_up_proj"
         rename[p["w_out"]] = f"{layer}.experts.down_proj"
-    shared = {}  # Qwen2-MoE's shared expert: parameter -> (HF name or names, how to cut it)
+    shared = {}  # an adopted shared expert: parameter -> (HF name or names, how to cut it)
     for layer, info in blocks.items():
         p = info["params"]
+        if "shared_w_in" not in p:
+            continue
+        mlp = f"{layer}.shared_expert" if "shared_gate" in p else f"{layer}.shared_experts"  # Qwen2-MoE / DeepSeek-V3
         if "shared_gate" in p:
             rename[p["shared_gate"]] = f"{layer}.shared_expert_gate.weight"
-            shared[p["shared_w_in"]] = (f"{layer}.shared_expert.gate_proj.weight", f"{layer}.shared_expert.up_proj.weight")
-            shared[p["shared_w_out"]] = (f"{layer}.shared_expert.down_proj.weight",)
+        shared[p["shared_w_in"]] = (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight")
+        shared[p["shared_w_out"]] = (f"{mlp}.down_proj.weight",)
     expert_names = {blocks[layer]["params"][k] for layer in blocks for k in ("w_in", "w_out")}
     out = {}
     for name, t in module.named_parameters():
@@ -195,6 +231,12 @@ def hf_state_dict(result: Any, world: Any = None) -> dict[str, torch.Tensor]:
             if value.shape[0] != E:
                 raise ExportError(f"{name} holds {value.shape[0]} experts after gathering, the plan has {E}")
         out[rename.get(name, name)] = value.contiguous().clone()
+    if selection_bias:
+        buffers = dict(module.named_buffers())
+        for layer, info in blocks.items():
+            bias = buffers.get(info["params"].get("bias", ""))
+            out[f"{layer}.gate.e_score_correction_bias"] = (
+                bias.detach().float().clone() if bias is not None else torch.zeros(info["num_experts"]))
     return out
 
 
@@ -216,7 +258,7 @@ def export_hf(result: Any, path: str | Path, arch: str = "mixtral", config: Any 
         raise ExportError("the converted model has no MoE layer to export")
     _check(result, arch, config, blocks)
     cfg = hf_config(result, arch, config)
-    tensors = hf_state_dict(result, world)  # every rank takes part in the gathers
+    tensors = hf_state_dict(result, world, selection_bias=arch in GROUPED_SIGMOID)  # every rank takes part in the gathers
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     path = Path(path)

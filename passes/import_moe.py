@@ -108,8 +108,10 @@ class ExistingBlock:
         r = self.router
         groups = f" within {r.route_group_top_k} of {r.route_groups} groups" if r.route_groups > 1 else ""
         bias = " (biased selection)" if r.bias else ""
-        weights = ("renormalised" if r.normalize else "unnormalised") + (f" x{r.route_scale:g}" if r.route_scale != 1 else "")
-        shared = " + a gated shared expert" if "shared_gate" in self.shared else " + a shared expert" if self.shared else ""
+        weights = "renormalised" if r.normalize else "unnormalised"
+        weights += f" x{r.route_scale:g}" if r.route_scale != 1 else ""
+        shared = " + a shared expert" if self.shared else ""
+        shared = " + a gated shared expert" if "shared_gate" in self.shared else shared
         return f"{self.num_experts} experts top-{r.top_k}{groups} {r.score}{bias} {weights} {self.act} GLUs{shared}"
 
     def tensors(self, gm: fx.GraphModule) -> dict[str, torch.Tensor]:
@@ -308,8 +310,8 @@ def import_moe(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if not n.users:
                 gm.graph.erase_node(n)
         delete_unused_attrs(gm, hf_names)
-        ctx.decide(
-            f"{block.layer}: adopted {block.kind}, {block.describe()} ({'dropless' if not capacity else f'capacity {capacity}'}, routing weights at the {where}); {check}"
-        )
+        dropping = f"capacity {capacity}" if capacity else "dropless"
+        ctx.decide(f"{block.layer}: adopted {block.kind}, {block.describe()} ({dropping}, routing weights at the "
+                   f"{where}); {check}")
     ctx.record(layers=layers)
     return PassResult(gm, bool(blocks))

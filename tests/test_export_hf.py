@@ -69,6 +69,9 @@ def test_qwen3_exports_as_qwen3_moe_with_fine_grained_and_dense_layers(tmp_path)
         ("qwen3", {"score": "sigmoid"}, "qwen3_moe", "score='sigmoid'"),
         ("llama", {"layers": "every:2"}, "mixtral", "only 1 of 2 FFNs"),
         ("llama", {}, "qwen3_moe", "source model is 'llama'.*export it as mixtral"),
+        ("llama", {"route_groups": 2}, "mixtral", "routes within groups.*route_groups: 1"),
+        ("qwen3", {"route_scale": 2.0}, "qwen3_moe", "scales the routing weights.*route_scale: 1"),
+        ("llama", {"score": "sigmoid", "expert_bias": True}, "deepseek_v3", "source model is 'llama'"),
     ],
 )
 def test_unsupported_combinations_are_clear_errors(tmp_path, family, experts, arch, match):

@@ -1,4 +1,4 @@
-"""import_moe: a Hugging Face MoE model (Mixtral, Qwen3-MoE, OLMoE) converted as it is.
+"""import_moe: a Hugging Face MoE model (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, GLM-4.5) converted as it is.
 
 Oracles: the Hugging Face model itself (same logits and the same gradients, by parameter, at
 conversion), a single process (ep=2 matches it step for step), and the exported checkpoint
@@ -7,6 +7,8 @@ conversion), a single process (ep=2 matches it step for step), and the exported 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 import moecompile as mc
 from _dist import spawn
 from moecompile.errors import PassError
+from moecompile.export_hf import ExportError
 from moecompile.models import build_model, own_experts
 
 VOCAB = 128
@@ -21,7 +24,16 @@ VOCAB = 128
 
 def hf_moe(name: str, **config):
     model, (ids,) = build_model(name, **config)
+    randomise_selection_bias(model)
     return model, ids
+
+
+def randomise_selection_bias(model) -> None:
+    """A trained-looking DeepSeek-V3 selection bias (it starts at zero), so that it changes the routing."""
+    g = torch.Generator().manual_seed(3)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def converted(name: str, config: dict | None = None, **experts):
@@ -39,7 +51,10 @@ RENAMES = {"gate.weight": ("router.weight", 0), "experts.gate_up_proj": ("expert
            "experts.down_proj": ("experts.w_down", 0), "shared_expert_gate.weight": ("shared_experts.gate.weight", 0),
            "shared_expert.gate_proj.weight": ("shared_experts.w_gate_up", 1),  # rows [0, Fs) of expert 0
            "shared_expert.up_proj.weight": ("shared_experts.w_gate_up", 2),  # rows [Fs, 2Fs)
-           "shared_expert.down_proj.weight": ("shared_experts.w_down", 3)}  # expert 0
+           "shared_expert.down_proj.weight": ("shared_experts.w_down", 3),  # expert 0
+           "shared_experts.gate_proj.weight": ("shared_experts.w_gate_up", 1),  # DeepSeek-V3's, ungated
+           "shared_experts.up_proj.weight": ("shared_experts.w_gate_up", 2),
+           "shared_experts.down_proj.weight": ("shared_experts.w_down", 3)}
 
 
 def adopted_grad(names: dict, hf_name: str) -> torch.Tensor:
@@ -54,12 +69,13 @@ def adopted_grad(names: dict, hf_name: str) -> torch.Tensor:
     return names[hf_name].grad
 
 
-@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe"])
+@pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-deepseek-v3"])
 def test_adopted_model_gives_the_hf_logits_and_gradients(name):
     model, ids, result = converted(name)
     adopted = result.record("import_moe").data["layers"]
-    assert adopted == (["model.layers.1.mlp"] if name == "tiny-qwen3-moe" else ["model.layers.0.mlp", "model.layers.1.mlp"])
-    assert not result.record("upcycle").data["layers"]  # Qwen3-MoE's dense layer 0 stays dense
+    first_dense = name in ("tiny-qwen3-moe", "tiny-deepseek-v3")
+    assert adopted == (["model.layers.1.mlp"] if first_dense else ["model.layers.0.mlp", "model.layers.1.mlp"])
+    assert not result.record("upcycle").data["layers"]  # a dense layer 0 stays dense
     names = dict(result.module.named_parameters())
     assert "model.layers.1.mlp.experts.w_gate_up" in names and "model.layers.1.mlp.experts.gate_up_proj" not in names
 
@@ -71,8 +87,40 @@ def test_adopted_model_gives_the_hf_logits_and_gradients(name):
     for hf_name, p in model.named_parameters():
         torch.testing.assert_close(adopted_grad(names, hf_name), p.grad, rtol=1e-4, atol=1e-6,
                                    msg=lambda m, n=hf_name: f"{n}: {m}")
-    fused = 2 if name == "tiny-qwen2-moe" else 0  # each layer's shared gate_proj and up_proj are one tensor
+    fused = sum(".shared_experts.w_gate_up" in n for n in names)  # each shared gate_proj and up_proj are one tensor
     assert len(names) == len(dict(model.named_parameters())) - fused  # nothing left behind, nothing doubled
+    if name == "tiny-deepseek-v3":  # the selection bias came along, as a buffer the train step updates
+        bias = dict(result.module.named_buffers())["model.layers.1.mlp.router.expert_bias"]
+        assert torch.equal(bias, model.model.layers[1].mlp.gate.e_score_correction_bias)
+
+
+def test_deepseek_v3_routes_within_its_groups(monkeypatch):
+    """Read as ungrouped, the block would pick other experts and fail the numeric check: the groups are real."""
+    model, ids, result = converted("tiny-deepseek-v3")
+    assert "top-2 within 2 of 4 groups sigmoid (biased selection) renormalised x2.5 silu GLUs + a shared expert" in \
+        result.record("import_moe").decisions[0]
+    from moecompile.passes import import_moe
+
+    read = import_moe.read_router
+    monkeypatch.setattr(import_moe, "read_router", lambda *a: dataclasses.replace(read(*a), route_groups=1, route_group_top_k=1))
+    with pytest.raises(PassError, match="read as 8 experts top-2 sigmoid .biased selection. renormalised x2.5.*differs"):
+        mc.convert(model, {"experts": {**own_experts(model.config), "route_groups": 1, "route_group_top_k": 1}}, (ids,))
+
+
+def test_glm4_moe_is_adopted_too():
+    """GLM-4.5's MoE layer is DeepSeek-V3's router and shared experts under another name."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    model = T.Glm4MoeForCausalLM(T.Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.5))
+    randomise_selection_bias(model)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    result = mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
+    assert result.record("import_moe").data["layers"] == ["model.layers.1.mlp"]
+    torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_olmoe_is_adopted_too():
@@ -116,6 +164,22 @@ def test_a_plan_that_does_not_describe_the_model_names_the_field(field, value, w
         mc.convert(model, {"experts": experts}, (ids,))
 
 
+@pytest.mark.parametrize("field, value, want", [("route_groups", 1, "set experts.route_groups: 4"),
+                                                ("route_group_top_k", 1, "set experts.route_group_top_k: 2"),
+                                                ("route_scale", 1.0, "set experts.route_scale: 2.5"),
+                                                ("score", "softmax", "set experts.score: sigmoid"),
+                                                ("shared_experts", 0, "set experts.shared_experts: 1"),
+                                                ("expert_bias", False, "gate.e_score_correction_bias.*set "
+                                                 "experts.expert_bias: true")])
+def test_a_plan_that_does_not_describe_deepseek_v3_names_the_field(field, value, want):
+    model, ids = hf_moe("tiny-deepseek-v3")
+    experts = {**own_experts(model.config), field: value}
+    if field == "route_groups":
+        experts |= {"route_group_top_k": 1}
+    with pytest.raises(PassError, match=f"experts.{field}.*DeepseekV3MoE.*{want}"):
+        mc.convert(model, {"experts": experts}, (ids,))
+
+
 @pytest.mark.parametrize("config, match", [({"router_jitter_noise": 0.1}, r"jitter noise\); set config.router_jitter_noise = 0"),
                                            ({"output_router_logits": True}, "set config.output_router_logits = False")])
 def test_what_the_block_cannot_express_is_a_named_error(config, match):
@@ -149,11 +213,11 @@ def test_a_block_that_computes_something_else_fails_the_check(monkeypatch):
 
 
 @pytest.mark.parametrize("name, arch", [("tiny-mixtral", "mixtral"), ("tiny-qwen3-moe", "qwen3_moe"),
-                                        ("tiny-qwen2-moe", "qwen2_moe")])
+                                        ("tiny-qwen2-moe", "qwen2_moe"), ("tiny-deepseek-v3", "deepseek_v3")])
 def test_trained_adopted_model_exports_back_to_its_architecture(tmp_path, name, arch):
     from transformers import AutoModelForCausalLM
 
-    model, ids, result = converted(name, aux_loss="aux")
+    model, ids, result = converted(name, aux_loss="aux", expert_bias_rate=1e-2)
     step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
     g = torch.Generator().manual_seed(2)
     for _ in range(4):
@@ -172,12 +236,24 @@ def test_trained_adopted_model_exports_back_to_its_architecture(tmp_path, name, 
         shared = dict(result.module.named_parameters())["model.layers.1.mlp.shared_experts.w_gate_up"]
         torch.testing.assert_close(hf.model.layers[1].mlp.shared_expert.up_proj.weight, shared[0, 64:].detach())
         assert hf.config.shared_expert_intermediate_size == 64
+    if arch == "deepseek_v3":  # the selection bias moved with the load and went back as the router's
+        bias = dict(result.module.named_buffers())["model.layers.1.mlp.router.expert_bias"]
+        assert not torch.equal(bias, model.model.layers[1].mlp.gate.e_score_correction_bias)
+        torch.testing.assert_close(hf.model.layers[1].mlp.gate.e_score_correction_bias, bias)
+        assert (hf.config.n_group, hf.config.topk_group, hf.config.routed_scaling_factor) == (4, 2, 2.5)
     with torch.no_grad():
         torch.testing.assert_close(hf.eval()(ids).logits, result.module(ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_deepseek_v3_with_an_upcycled_dense_layer_does_not_export_as_one(tmp_path):
+    model, ids, result = converted("tiny-deepseek-v3", layers=["model.layers.0.mlp"])
+    assert set(mc.grad_sync.moe_blocks(result.module)) == {"model.layers.0.mlp", "model.layers.1.mlp"}
+    with pytest.raises(ExportError, match=r"MoE layers are \[0, 1\].*first_k_dense_replace \(1\)"):
+        mc.export_hf(result, tmp_path, arch="deepseek_v3")
+
+
 def ep2_adopted(rank: int, world_size: int) -> dict[str, list[dict]]:
-    return {name: ep2_steps(rank, world_size, name) for name in ("tiny-mixtral", "tiny-qwen2-moe")}
+    return {name: ep2_steps(rank, world_size, name) for name in ("tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-v3")}
 
 
 def ep2_steps(rank: int, world_size: int, name: str) -> list[dict]:
@@ -215,7 +291,7 @@ def ep2_steps(rank: int, world_size: int, name: str) -> list[dict]:
 
 
 @pytest.mark.distributed
-def test_adopted_mixtral_and_qwen2_moe_train_with_ep2_like_one_process():
+def test_adopted_mixtral_qwen2_moe_and_deepseek_v3_train_with_ep2_like_one_process():
     for by_model in spawn(ep2_adopted, 2, timeout=300):
         for name, steps in by_model.items():
             for s in steps:

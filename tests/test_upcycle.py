@@ -106,6 +106,20 @@ def test_plain_modules_identical_at_init(module, G, S):
     assert (result.module(x) - module(x)).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("groups, group_k", [(1, 1), (4, 1), (2, 2)])
+def test_group_limited_routing_stays_exact_and_route_scale_scales(groups, group_k):
+    """Every expert is a copy of the FFN, so whichever groups a token may pick from, its renormalised
+    output is the FFN's; route_scale (DeepSeek-V3's routed_scaling_factor) multiplies it."""
+    torch.manual_seed(0)
+    module, x = PlainGLU(), torch.randn(3, 5, 24)
+    for scale in (1.0, 2.5):
+        extra = {"route_groups": groups, "route_group_top_k": group_k, "route_scale": scale}
+        result = mc.convert(module, plan(E=8, k=2, **extra), (x,))
+        torch.testing.assert_close(result.module(x), scale * module(x), rtol=1e-5, atol=1e-5)
+    route = next(n for n in result.module.graph.nodes if n.target is torch.ops.moecompile.route.default)
+    assert route.args[5:6] == ((groups,) if groups > 1 else ())  # a default group_k (1) is not recorded
+
+
 def test_some_experts_get_no_tokens_and_gradients_flow(llama):
     one = torch.zeros(1, 3, dtype=torch.long)  # 3 identical tokens -> at most 2 of 16 experts used
     result = mc.convert(llama, plan(E=16, k=2), (one,))
