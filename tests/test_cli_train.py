@@ -45,15 +45,18 @@ def test_train_five_steps_on_two_ranks_then_resume_on_one(tmp_path):
 
 
 @pytest.mark.distributed
-def test_a_mixtral_trains_with_its_own_experts_and_continues_from_its_hf_export(tmp_path):
+@pytest.mark.parametrize("name, experts, arch", [("tiny-mixtral", "4 experts top-2", "mixtral"),
+                                                 ("tiny-deepseek-v3", "8 experts top-2 within 2 of 4 groups",
+                                                  "deepseek_v3")])
+def test_an_moe_model_trains_with_its_own_experts_and_continues_from_its_hf_export(tmp_path, name, experts, arch):
     fast = ["--batch", "4", "--seq", "16", "--log-every", "1", "--schedule", "constant"]
-    proc = moecompile("train", "--model", "tiny-mixtral", "--steps", "4", *fast, "--out", str(tmp_path / "a"),
+    proc = moecompile("train", "--model", name, "--steps", "4", *fast, "--out", str(tmp_path / "a"),
                       "--export-hf", str(tmp_path / "hf"), cwd=tmp_path)
-    assert "tiny-mixtral its own MoE layers: 4 experts top-2" in proc.stdout and "(mixtral)" in proc.stdout, proc.stdout
+    assert f"{name} its own MoE layers: {experts}," in proc.stdout and f"({arch})" in proc.stdout, proc.stdout
     first = [float(v) for v in re.findall(r"step +\d+ +loss ([\d.]+)", proc.stdout)]
     proc = moecompile("train", "--model", str(tmp_path / "hf"), "--steps", "1", "--nproc", "1", *fast,
                       "--out", str(tmp_path / "b"), cwd=tmp_path)
-    assert "(weights loaded) its own MoE layers: 4 experts top-2" in proc.stdout, proc.stdout
+    assert f"(weights loaded) its own MoE layers: {experts}," in proc.stdout, proc.stdout
     again = float(re.search(r"step +1 +loss ([\d.]+)", proc.stdout).group(1))
     assert again < first[0] - 0.05, (first, again)  # the same first batch, on the trained weights
 

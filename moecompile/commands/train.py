@@ -209,9 +209,11 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
         from ..models import has_weights
 
         source = f"{args.model} (weights loaded)" if has_weights(args.model or "") else args.model or DEFAULT_MODEL
-        how = "its own MoE layers: " if s.result.record("import_moe").data.get("layers") else "-> "
-        print(f"moecompile train: {source} {how}{e.num_experts} experts top-{e.top_k} "
-              f"(G={e.granularity}), ep={s.plan.parallel.ep} over {world_size} rank(s) "
+        adopted = bool(s.result.record("import_moe").data.get("layers"))
+        how = "its own MoE layers: " if adopted else "-> "
+        groups = f" within {e.route_group_top_k} of {e.route_groups} groups" if e.route_groups > 1 else ""
+        print(f"moecompile train: {source} {how}{e.num_experts} experts top-{e.top_k}{groups}"
+              f"{'' if adopted else f' (G={e.granularity})'}, ep={s.plan.parallel.ep} over {world_size} rank(s) "
               f"({s.plan.parallel.dispatcher}, {s.plan.parallel.dispatch_mode}); {n_params:,} parameters on this rank; "
               f"batch {args.batch} x {args.seq} bytes of {len(text):,} bytes of text"
               + (f", micro-batches of {args.micro_batch} per rank" if args.micro_batch else ""), flush=True)
