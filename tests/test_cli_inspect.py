@@ -118,6 +118,6 @@ def test_inspect_a_model_that_is_an_moe_already_takes_its_experts(tmp_path, caps
     out = tmp_path / "mixtral"
     assert main(["inspect", "--model", "tiny-mixtral", "--formats", "html", "--out", str(out), "--quiet"]) == 0
     report = (out / "report.md").read_text()
-    assert "model.layers.1.mlp: adopted MixtralSparseMoeBlock, 4 experts top-2 silu GLU" in report
+    assert "model.layers.1.mlp: adopted MixtralSparseMoeBlock, 4 experts top-2 softmax renormalised silu GLUs" in report
     assert (out / "01_import_moe.html").stat().st_size > 0
     assert Plan.from_file(out / "plan.yaml").experts.num_experts == 4
