@@ -5,8 +5,8 @@
     arch.experts                                                # {'num_experts': 256, 'top_k': 8, ...}
 
 DeepSeek-V3's MoE layer is exactly what ``upcycle`` makes of a DeepSeek-V3 layer whose MLP is
-one expert wide (2048): 256 experts, top-8, one shared expert of the same width, sigmoid
-scores. Qwen3-MoE and Mixtral map the same way onto Qwen3 and Mistral dense layers.
+one expert wide (2048): 256 experts, top-8 within 4 of 8 groups, one shared expert of the
+same width, sigmoid scores with a selection bias, weights scaled by 2.5. Qwen3-MoE and Mixtral map the same way onto Qwen3 and Mistral dense layers.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..errors import MoecompileError
+from ..models import own_experts
 
 CONFIGS = Path(__file__).parent / "configs"
 
@@ -71,9 +72,8 @@ def moe_arch(config: Any, experts: dict | None = None) -> MoEArch:
     L = config.num_hidden_layers
     if mt == "deepseek_v3":
         n_dense = int(getattr(config, "first_k_dense_replace", 0))
-        plan = dict(num_experts=config.n_routed_experts, top_k=config.num_experts_per_tok,
-                    shared_experts=int(config.n_shared_experts or 0), score="sigmoid", expert_bias=True,
-                    normalize=bool(getattr(config, "norm_topk_prob", True)))
+        # its router as it is (sigmoid, selection bias, groups, scale); n_shared upcycled experts of its width
+        plan = {**own_experts(config), "shared_experts": int(config.n_shared_experts or 0)}
         return MoEArch("deepseek_v3", _fields(config), {**plan, **(experts or {})}, config.moe_intermediate_size,
                        config.intermediate_size, n_dense, L - n_dense)
     if mt == "qwen3_moe":
