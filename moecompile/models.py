@@ -116,7 +116,7 @@ def own_experts(config: Any) -> dict[str, Any]:
     if getattr(config, "shared_expert_intermediate_size", 0):  # Qwen2-MoE's gated shared expert
         fields["shared_experts"] = 1
     if getattr(config, "model_type", None) in GROUPED_SIGMOID_ROUTERS:
-        fields |= {"score": "sigmoid", "expert_bias": True, "route_groups": int(config.n_group),
+        fields |= {"score": "sigmoid", "expert_bias": True, "router_dtype": "float32", "route_groups": int(config.n_group),
                    "route_group_top_k": int(config.topk_group), "route_scale": float(config.routed_scaling_factor)}
         if getattr(config, "n_shared_experts", 0):  # however many, one GLU of n_shared * moe_intermediate_size
             fields["shared_experts"] = 1

@@ -77,6 +77,7 @@ class Router:
     route_groups: int = 1
     route_group_top_k: int = 1
     route_scale: float = 1.0
+    router_dtype: str = "model"  # "float32": the router GEMM runs on fp32 casts of its input and weight
 
 
 @dataclasses.dataclass
@@ -99,7 +100,7 @@ class ExistingBlock:
         r = self.router
         return {"num_experts": self.num_experts, "top_k": r.top_k, "score": r.score, "normalize": r.normalize,
                 "shared_experts": 1 if self.shared else 0, "route_groups": r.route_groups,
-                "route_group_top_k": r.route_group_top_k, "route_scale": r.route_scale}
+                "route_group_top_k": r.route_group_top_k, "route_scale": r.route_scale, "router_dtype": r.router_dtype}
 
     def hf_names(self) -> list[str]:
         return [*self.params.values(), *self.shared.values(), *([self.router.bias] if self.router.bias else [])]
@@ -134,7 +135,18 @@ def find_blocks(gm: fx.GraphModule) -> list[str]:
     return sorted({n.target[: -len(suffix)] for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith(suffix)})
 
 
-def read_router(nodes: list[fx.Node], fail) -> Router:
+def _fp32_router(nodes: list[fx.Node], weight: str) -> bool:
+    """Whether the router GEMM reads its weight through a cast to fp32 (DeepSeek-V3's ``.type(torch.float32)``)."""
+    def is_fp32_cast(n: object) -> bool:
+        return isinstance(n, fx.Node) and n.target is aten.to.dtype and n.args[1] == torch.float32
+
+    for n in nodes:
+        if n.target is aten.linear.default and is_fp32_cast(n.args[1]) and n.args[1].args[0].target == weight:
+            return is_fp32_cast(n.args[0])
+    return False
+
+
+def read_router(nodes: list[fx.Node], fail, weight: str) -> Router:
     """The router, read backwards from the block's last top-k (the one that picks the experts)."""
     topks = [n for n in nodes if n.target is aten.topk.default]
     if not topks:
@@ -174,7 +186,8 @@ def read_router(nodes: list[fx.Node], fail) -> Router:
     last = divided or weights
     scaled = next((u for u in last.users if u.target is aten.mul.Tensor and isinstance(u.args[1], (int, float))), None)
     return Router(int(pick.args[1]), _SCORES[choice.target], divided is not None, bias, groups, group_k,
-                  float(scaled.args[1]) if scaled is not None else 1.0)
+                  float(scaled.args[1]) if scaled is not None else 1.0,
+                  "float32" if _fp32_router(nodes, weight) else "model")
 
 
 def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
@@ -196,7 +209,7 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
     shared = next((names for names in layouts if set(names.values()) <= attrs), {})
     if any(n.target in _RANDOM for n in nodes):
         fail("it draws random numbers (router jitter noise)", "set config.router_jitter_noise = 0 before tracing")
-    router = read_router(nodes, fail)
+    router = read_router(nodes, fail, params["router"])
     extra = sorted(attrs - set(params.values()) - set(shared.values()) - {router.bias})
     if extra:
         fail(f"it reads {', '.join(extra)} beside the router, its selection bias, the experts and a shared GLU "

@@ -184,7 +184,10 @@ def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, load_group
               shared_gate=None):
         x_TH = x.reshape(-1, x.shape[-1])
         with annotate({"role": "router"}):
-            logits_TE = F.linear(x_TH, router)
+            if cfg.router_dtype == "float32":
+                logits_TE = F.linear(x_TH.float(), router.float())
+            else:
+                logits_TE = F.linear(x_TH, router)
         with annotate({"role": "route"}):
             weights_TK, idx_TK = mc.route(logits_TE, bias, k, cfg.score, cfg.normalize, *groups)
             if cfg.route_scale != 1.0:

@@ -107,6 +107,18 @@ def test_deepseek_v3_routes_within_its_groups(monkeypatch):
         mc.convert(model, {"experts": {**own_experts(model.config), "route_groups": 1, "route_group_top_k": 1}}, (ids,))
 
 
+def test_a_bf16_deepseek_v3_routes_in_fp32_as_hugging_face_does():
+    """Its router GEMM casts to fp32; so does the adopted block (router_dtype: float32), so both pick alike."""
+    model, ids = hf_moe("tiny-deepseek-v3", dtype="bfloat16")
+    result = mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
+    router = [n for n in result.module.graph.nodes if n.target is torch.ops.aten.linear.default
+              and n.meta.get("moe", {}).get("role") == "router"]
+    assert router and all(n.meta["val"].dtype == torch.float32 for n in router)
+    with torch.no_grad():
+        got, want = result.module(ids).logits.float(), model(ids, use_cache=False).logits.float()
+    assert float((got - want).abs().max() / want.abs().max()) < 2e-2
+
+
 def test_glm4_moe_is_adopted_too():
     """GLM-4.5's MoE layer is DeepSeek-V3's router and shared experts under another name."""
     import transformers as T
@@ -170,7 +182,8 @@ def test_a_plan_that_does_not_describe_the_model_names_the_field(field, value, w
                                                 ("score", "softmax", "set experts.score: sigmoid"),
                                                 ("shared_experts", 0, "set experts.shared_experts: 1"),
                                                 ("expert_bias", False, "gate.e_score_correction_bias.*set "
-                                                 "experts.expert_bias: true")])
+                                                 "experts.expert_bias: true"),
+                                                ("router_dtype", "model", "set experts.router_dtype: float32")])
 def test_a_plan_that_does_not_describe_deepseek_v3_names_the_field(field, value, want):
     model, ids = hf_moe("tiny-deepseek-v3")
     experts = {**own_experts(model.config), field: value}

@@ -335,12 +335,12 @@ def test_gloo_all_to_all_is_measured():
 
 
 def test_deepseek_v3_is_rebuilt_with_its_own_router():
-    """The planner's DeepSeek-V3 routes as the model does: sigmoid, a selection bias, 4 of 8 groups, x2.5."""
+    """The planner's DeepSeek-V3 routes as the model does: sigmoid in fp32, a selection bias, 4 of 8 groups, x2.5."""
     from moecompile.planner.arch import load_model_config, moe_arch
 
     arch = moe_arch(load_model_config("deepseek-v3"))
     assert arch.experts == {"num_experts": 256, "top_k": 8, "normalize": True, "score": "sigmoid",
-                            "expert_bias": True, "route_groups": 8, "route_group_top_k": 4, "route_scale": 2.5,
-                            "shared_experts": 1}
+                            "expert_bias": True, "router_dtype": "float32", "route_groups": 8, "route_group_top_k": 4,
+                            "route_scale": 2.5, "shared_experts": 1}
     assert (arch.n_dense, arch.n_moe, arch.moe_intermediate) == (3, 58, 2048)
     mc.Plan.from_dict({"experts": arch.experts})  # a valid plan

@@ -120,6 +120,17 @@ def test_group_limited_routing_stays_exact_and_route_scale_scales(groups, group_
     assert route.args[5:6] == ((groups,) if groups > 1 else ())  # a default group_k (1) is not recorded
 
 
+@pytest.mark.parametrize("router_dtype, want", [("model", torch.bfloat16), ("float32", torch.float32)])
+def test_router_dtype_float32_routes_a_bf16_model_in_fp32(llama, ids, router_dtype, want):
+    result = mc.convert(llama.to(torch.bfloat16), plan(router_dtype=router_dtype), (ids,))
+    routers = nodes_with_role(result.module.graph, Role.ROUTER)
+    logits = [n for n in routers if n.target is torch.ops.aten.linear.default]
+    assert len(logits) == 2 and all(n.meta["val"].dtype == want for n in logits)
+    result.module(ids).logits.float().square().mean().backward()
+    router = dict(result.module.named_parameters())["model.layers.0.mlp.router.weight"]
+    assert router.dtype == torch.bfloat16 and router.grad.abs().sum() > 0
+
+
 def test_some_experts_get_no_tokens_and_gradients_flow(llama):
     one = torch.zeros(1, 3, dtype=torch.long)  # 3 identical tokens -> at most 2 of 16 experts used
     result = mc.convert(llama, plan(E=16, k=2), (one,))

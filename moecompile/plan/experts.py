@@ -39,6 +39,10 @@ class ExpertsConfig(Section):
         "groups only. 1: no groups."
     )
     route_group_top_k: int = doc_field(1, "Groups each token may pick from (DeepSeek-V3's topk_group).")
+    router_dtype: Literal["model", "float32"] = doc_field(
+        "model", "Dtype of the router GEMM and its scores. 'float32' computes the logits in fp32 in a bf16 model, "
+        "so near-ties route stably (DeepSeek-V3's router, Megatron-Core's moe_router_dtype)."
+    )
     route_scale: float = doc_field(
         1.0, "Multiplies every routing weight after any renormalisation (DeepSeek-V3's routed_scaling_factor); "
         "1 keeps exact upcycling."
