@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from .errors import MoecompileError
 from .grad_sync import moe_blocks
+from .models import GROUPED_SIGMOID_ROUTERS
 
 log = logging.getLogger(__name__)
 ARCHS = {"mixtral": ("MixtralConfig", "MixtralForCausalLM", ("llama", "mistral", "mixtral")),
@@ -46,7 +47,6 @@ ARCHS = {"mixtral": ("MixtralConfig", "MixtralForCausalLM", ("llama", "mistral",
          "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", ("deepseek_v3",)),
          "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", ("glm4_moe",))}
 ADOPTED_ONLY = ("qwen2_moe", "deepseek_v3", "glm4_moe")
-GROUPED_SIGMOID = ("deepseek_v3", "glm4_moe")  # sigmoid scores, a selection bias, groups, a scale
 _HF_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.mlp")
 
@@ -88,13 +88,13 @@ def _check(result: Any, arch: str, config: Any, blocks: dict[str, Any]) -> None:
                 _fail(arch, f"{layer} is not the MoE layer of a {config.__class__.__name__} (its shared expert "
                       "differs); only models adopted from it export as it", "export an upcycled model as mixtral "
                       "or qwen3_moe")
-    score = "sigmoid" if arch in GROUPED_SIGMOID else "softmax"
+    score = "sigmoid" if arch in GROUPED_SIGMOID_ROUTERS else "softmax"
     if plan.score != score:
         _fail(arch, f"experts.score={plan.score!r}; its router is {score}", f"convert with experts.score: {score}")
-    if arch not in GROUPED_SIGMOID and (plan.route_groups > 1 or plan.route_scale != 1):
+    if arch not in GROUPED_SIGMOID_ROUTERS and (plan.route_groups > 1 or plan.route_scale != 1):
         _fail(arch, "the plan routes within groups or scales the routing weights, which its router does not",
               "convert with experts.route_groups: 1 and route_scale: 1")
-    if arch in GROUPED_SIGMOID:
+    if arch in GROUPED_SIGMOID_ROUTERS:
         first_dense = getattr(config, "first_k_dense_replace", 0)
         moe = sorted(int(_LAYER.fullmatch(layer).group(1)) for layer in blocks if _LAYER.fullmatch(layer))
         if moe != list(range(first_dense, config.num_hidden_layers)):
@@ -117,7 +117,7 @@ def _check(result: Any, arch: str, config: Any, blocks: dict[str, Any]) -> None:
             _fail(arch, f"{layer} is a plain MLP; {arch} experts are gated (act(x Wg) * x Wu)", "upcycle a GLU model")
         if any(k in info["params"] for k in ("b_in", "b_out")):
             _fail(arch, f"{layer}'s experts have biases", f"{arch} experts have none")
-    if plan.expert_bias and arch not in GROUPED_SIGMOID:
+    if plan.expert_bias and arch not in GROUPED_SIGMOID_ROUTERS:
         bufs = dict(result.module.named_buffers())
         for layer, info in blocks.items():
             b = bufs.get(info["params"].get("bias", ""))
@@ -258,7 +258,7 @@ def export_hf(result: Any, path: str | Path, arch: str = "mixtral", config: Any 
         raise ExportError("the converted model has no MoE layer to export")
     _check(result, arch, config, blocks)
     cfg = hf_config(result, arch, config)
-    tensors = hf_state_dict(result, world, selection_bias=arch in GROUPED_SIGMOID)  # every rank takes part in the gathers
+    tensors = hf_state_dict(result, world, selection_bias=arch in GROUPED_SIGMOID_ROUTERS)  # every rank takes part in the gathers
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     path = Path(path)

@@ -15,12 +15,13 @@ example inputs produce. The router is read backwards from its last top-k: a grou
 come from the top-ks that build the mask; a tensor of the block added to the scores is a
 selection bias (``gate.e_score_correction_bias``, which becomes ``router.expert_bias`` and
 keeps training under ``experts.expert_bias_rate``); the weights are the top-k scores or the
-scores gathered at its indices, maybe renormalised (a ``div``), maybe scaled (a ``mul``).
+scores gathered at its indices, maybe renormalised (a ``div``), maybe scaled (a ``mul``);
+casts of the router GEMM's input and weight to fp32 mean ``router_dtype: float32``.
 A shared expert is Qwen2-MoE's gated GLU or DeepSeek-V3's ungated one.
 
 The plan describes the experts the model has: ``experts.num_experts``, ``top_k``, ``score``,
-``normalize``, ``shared_experts``, ``route_groups``, ``route_group_top_k`` and
-``route_scale`` must equal the model's, and ``expert_bias`` be on when it has a selection
+``normalize``, ``shared_experts``, ``route_groups``, ``route_group_top_k``, ``route_scale``
+and ``router_dtype`` must equal the model's, and ``expert_bias`` be on when it has a selection
 bias (a :class:`PlanError` says which to set); granularity, which only means something when
 upcycling, must be 1. Anything else in a block (jitter noise, router logits used outside
 it, another kind of router) is an :class:`UnsupportedMoE` error that names it.

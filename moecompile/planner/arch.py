@@ -6,7 +6,8 @@
 
 DeepSeek-V3's MoE layer is exactly what ``upcycle`` makes of a DeepSeek-V3 layer whose MLP is
 one expert wide (2048): 256 experts, top-8 within 4 of 8 groups, one shared expert of the
-same width, sigmoid scores with a selection bias, weights scaled by 2.5. Qwen3-MoE and Mixtral map the same way onto Qwen3 and Mistral dense layers.
+same width, fp32 sigmoid scores with a selection bias, weights scaled by 2.5. Qwen3-MoE and
+Mixtral map the same way onto Qwen3 and Mistral dense layers.
 """
 
 from __future__ import annotations
