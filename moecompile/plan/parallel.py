@@ -56,6 +56,14 @@ class ParallelConfig(Section):
         "null packs where a rank sends at most 2 MiB of rows on CPU (gloo collectives cost ~0.5 ms) or 16 MiB "
         "on CUDA. Rows and weights of different dtypes never pack (the weight would round).",
     )
+    shard_optimizer: bool = doc_field(
+        False,
+        "ZeRO-1, Megatron-Core's distributed optimizer: each gradient bucket is split into equal ranges over the "
+        "ranks that reduce it (dense: every data-parallel rank; experts: the expert-data-parallel ranks), and a "
+        "rank keeps optimizer state, and fp32 master weights for a low-precision model, for its range only. "
+        "Gradients are reduce-scattered, each rank updates its range, parameters are all-gathered: the bytes of "
+        "the all-reduce it replaces. Exact for elementwise optimizers (SGD, Adam, AdamW, ...); others are an error.",
+    )
     timeout_s: float = doc_field(
         300.0,
         "Seconds a collective waits for its peers before failing with a DistributedError that names it "
