@@ -26,17 +26,19 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from .checkpoint_shards import chunk_crcs, combine, quiet_sharded_tensor, sharded
 from .errors import MoecompileError
-from .grad_sync import expert_parameters
+from .grad_sync import Shard, expert_parameters
 
 log = logging.getLogger(__name__)
 FORMAT = "moecompile-checkpoint-1"
@@ -58,22 +60,30 @@ def _rank(step: Any) -> int:
     return step.world.rank if _distributed(step) else 0
 
 
-def _model_tensors(step: Any) -> dict[str, torch.Tensor]:
-    """Every model tensor, fp32 masters in place of bf16 parameters."""
-    out = {n: step.masters.get(n, p) for n, p in step.module.named_parameters()}
-    out.update(dict(step.module.named_buffers()))
-    return out
-
-
 def _split(prefix: str, name: str, t: torch.Tensor, shard: Any) -> dict[str, torch.Tensor]:
     if shard is None or t.dim() == 0 or t.shape[0] != shard.hi - shard.lo:
         return {f"{prefix}{name}": t}
     return {f"{prefix}{name}#{shard.lo + i}": t[i] for i in range(t.shape[0])}
 
 
-def _optimizer_names(step: Any) -> dict[int, str]:
-    params = step.masters or step.trainable
-    return {id(p): n for n, p in params.items()}
+def _entries(prefix: str, name: str, t: torch.Tensor, part: Shard, experts: Any) -> dict[str, torch.Tensor]:
+    """The checkpoint entries of ``t``: what this rank holds of a parameter (all of it, or a range)."""
+    if part.whole:
+        return _split(prefix, name, t, experts)
+    shape, flat = tuple(part.param.shape), t.reshape(-1)
+    if experts is None or shape[0] != experts.hi - experts.lo:
+        return {f"{prefix}{name}": sharded(flat, shape, part.parts, part.rank)}
+    per = math.prod(shape[1:])  # one expert's elements: a range split by expert, each in its own entry
+    out = {}
+    for i in range(shape[0]):
+        parts = [(min(max(lo - i * per, 0), per), min(max(hi - i * per, 0), per)) for lo, hi in part.parts]
+        lo, hi = parts[part.rank]
+        if lo == hi:
+            continue
+        values = flat[i * per + lo - part.lo : i * per + hi - part.lo]
+        key = f"{prefix}{name}#{experts.lo + i}"
+        out[key] = values.view(shape[1:]) if hi - lo == per else sharded(values, shape[1:], parts, part.rank)
+    return out
 
 
 def _ensure_optimizer_state(step: Any) -> None:
@@ -100,29 +110,54 @@ def _ensure_optimizer_state(step: Any) -> None:
 
 
 def state_dict(step: Any) -> dict[str, torch.Tensor]:
-    """This rank's share of the checkpoint, keyed as in the module docstring."""
-    shards = expert_parameters(step.module)
+    """This rank's share of the checkpoint, keyed as in the module docstring.
+
+    A trainable parameter is written from what the optimizer updates (fp32 masters of a bf16
+    model), by the ranks that update it: under ``parallel.shard_optimizer`` each writes its range.
+    """
+    experts = expert_parameters(step.module)
+    updates = {u.shard.name: u for u in step.updates}
     sd: dict[str, torch.Tensor] = {}
-    for name, t in _model_tensors(step).items():
-        sd.update(_split("model/", name, t.detach(), shards.get(name)))
-    names = _optimizer_names(step)
+    for name, t in [*step.module.named_parameters(), *step.module.named_buffers()]:
+        if name in updates:
+            sd.update(_entries("model/", name, updates[name].tensor.detach(), updates[name].shard, experts.get(name)))
+        elif name not in step.trainable:
+            sd.update(_split("model/", name, t.detach(), experts.get(name)))
+    by_tensor = {id(u.tensor): u for u in step.updates}
     for p, state in step.optimizer.state.items():
-        name = names.get(id(p))
-        if name is None:
+        u = by_tensor.get(id(p))
+        if u is None:
             continue
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                shard = shards.get(name) if value.shape == p.shape else None
-                sd.update(_split(f"optim/{name}/", key, value, shard))
+                if value.shape == p.shape:
+                    sd.update(_entries(f"optim/{u.shard.name}/", key, value, u.shard, experts.get(u.shard.name)))
+                else:  # a scalar such as Adam's step
+                    sd[f"optim/{u.shard.name}/{key}"] = value
     sd[f"rng/cpu/{_rank(step)}"] = torch.get_rng_state()
     if torch.cuda.is_available() and step.device.type == "cuda":
         sd[f"rng/cuda/{_rank(step)}"] = torch.cuda.get_rng_state(step.device)
     return sd
 
 
-def _crc(t: torch.Tensor) -> int:
-    t = t.detach().contiguous().cpu().reshape(-1)
-    return zlib.crc32(t.view(torch.uint8).numpy().tobytes()) if t.numel() else 0
+def _checksums(step: Any, sd: dict[str, torch.Tensor]) -> dict[str, int]:
+    """CRC-32 of every tensor in the checkpoint, whichever ranks hold its parts (every rank calls it)."""
+    chunks = {k: chunk_crcs(v) for k, v in sd.items()}
+    if _distributed(step):
+        gathered: list[Any] = [None] * dist.get_world_size(step.world.dp_group)
+        dist.all_gather_object(gathered, chunks, group=step.world.dp_group)
+        chunks = {}
+        for d in gathered:
+            for k, v in d.items():
+                chunks.setdefault(k, []).extend(v)
+    out = {}
+    for k, v in chunks.items():
+        crc = combine(v)
+        if crc is None:
+            raise CheckpointError(f"tensor '{k}': its parts on the ranks do not tile it (byte runs "
+                                  f"{sorted(set((a, n) for a, n, _ in v))[:4]}); the ranks disagree on the layout")
+        out[k] = crc
+    return out
 
 
 def _param_groups(step: Any) -> list[dict]:
@@ -157,12 +192,9 @@ def save(step: Any, path: str | Path) -> Path:
     if distributed:
         dist.barrier(group=group)
     sd = state_dict(step)  # an optimizer that has not stepped yet has no state to write
-    dcp.save(sd, checkpoint_id=str(tmp), process_group=group, no_dist=not distributed)
-    crcs = {k: _crc(v) for k, v in sd.items()}
-    if distributed:
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, crcs, group=group)
-        crcs = {k: v for d in gathered for k, v in d.items()}
+    with quiet_sharded_tensor():
+        dcp.save(sd, checkpoint_id=str(tmp), process_group=group, no_dist=not distributed)
+    crcs = _checksums(step, sd)
     if rank == 0:
         world = step.world
         meta = {
@@ -233,12 +265,13 @@ def _check_against_metadata(path: Path, wanted: dict[str, torch.Tensor], meta: d
         m = saved[key]
         if not isinstance(m, TensorStorageMetadata):
             raise CheckpointError(f"checkpoint entry '{key}' is not a tensor")
-        if tuple(m.size) != tuple(t.shape):
+        shape, dtype = _shape_dtype(t)
+        if tuple(m.size) != shape:
             raise CheckpointError(f"tensor '{key}': the checkpoint has shape {tuple(m.size)}, the model has "
-                                  f"{tuple(t.shape)}; the model or plan differs from the one that was saved")
-        if m.properties.dtype != t.dtype:
+                                  f"{shape}; the model or plan differs from the one that was saved")
+        if m.properties.dtype != dtype:
             raise CheckpointError(f"tensor '{key}': the checkpoint has dtype {m.properties.dtype}, the model has "
-                                  f"{t.dtype}; convert the model in the dtype it was trained in")
+                                  f"{dtype}; convert the model in the dtype it was trained in")
     sizes: dict[str, int] = {}
     for index, info in md.storage_data.items():
         if index.fqn not in wanted:
@@ -252,6 +285,14 @@ def _check_against_metadata(path: Path, wanted: dict[str, torch.Tensor], meta: d
                 f"tensor '{index.fqn}' is corrupt: it lies at bytes [{info.offset}, {info.offset + info.length}) of "
                 f"{info.relative_path}, which " + ("is missing" if have < 0 else f"has only {have} bytes")
             )
+
+
+def _shape_dtype(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    if isinstance(t, ShardedTensor):
+        with quiet_sharded_tensor():
+            md = t.metadata()
+        return tuple(md.size), md.tensor_properties.dtype
+    return tuple(t.shape), t.dtype
 
 
 def _missing(key: str, saved: Any, meta: dict[str, Any]) -> str:
@@ -283,24 +324,22 @@ def load(step: Any, path: str | Path) -> None:
     _check_against_metadata(root, sd, meta)
     distributed = _distributed(step)
     try:
-        dcp.load(sd, checkpoint_id=str(root), process_group=step.world.dp_group if distributed else None,
-                 no_dist=not distributed)
+        with quiet_sharded_tensor():
+            dcp.load(sd, checkpoint_id=str(root), process_group=step.world.dp_group if distributed else None,
+                     no_dist=not distributed)
     except Exception as e:
         raise CheckpointError(f"reading {root} failed ({type(e).__name__}: {str(e).strip().splitlines()[-1:]}); "
                               "the checkpoint files are damaged") from e
-    for key, t in sd.items():
+    for key, crc in _checksums(step, sd).items():
         want = meta["crc32"].get(key)
-        if want is not None and _crc(t) != want:
-            raise CheckpointError(f"tensor '{key}' is corrupt: its bytes have CRC-32 {_crc(t):#010x}, the checkpoint "
+        if want is not None and crc != want:
+            raise CheckpointError(f"tensor '{key}' is corrupt: its bytes have CRC-32 {crc:#010x}, the checkpoint "
                                   f"recorded {want:#010x} when it was written")
     if f"rng/cpu/{rank}" in sd:
         torch.set_rng_state(sd[f"rng/cpu/{rank}"])
     if f"rng/cuda/{rank}" in sd:
         torch.cuda.set_rng_state(sd[f"rng/cuda/{rank}"], step.device)
-    if step.masters:  # the bf16 parameters follow their fp32 masters
-        with torch.no_grad():
-            for name, p in step.trainable.items():
-                p.copy_(step.masters[name])
+    step.write_back()  # the parameters follow their masters; sharded ranges reach every rank
     _restore_param_groups(step, meta["param_groups"])
     step.step_count = int(meta["step"])
     log.info("loaded step %d from %s (saved at ep=%d, loaded at ep=%d)", step.step_count, root, meta["ep"],
@@ -309,7 +348,7 @@ def load(step: Any, path: str | Path) -> None:
 
 def _drop_unsaved_optimizer_state(step: Any, sd: dict[str, torch.Tensor], saved: set[str]) -> None:
     """A parameter with no optimizer state in the checkpoint (it never stepped) gets none here either."""
-    names = _optimizer_names(step)
+    names = {id(u.tensor): u.shard.name for u in step.updates}
     for p in list(step.optimizer.state):
         name = names.get(id(p))
         keys = [k for k in sd if k.startswith(f"optim/{name}/")]

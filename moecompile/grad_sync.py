@@ -14,6 +14,17 @@ contributions of its whole expert-parallel group (the transposed all-to-all).
 Gradients live in flat buckets (``param.grad`` is a view into one), so a bucket
 is one collective and nothing is copied: ``buckets.prepare()`` before backward,
 ``buckets.sync()`` after it. With ``world=None`` there is nothing to sync.
+
+Sharded (``parallel.shard_optimizer``, ZeRO-1): a bucket reduced over d > 1 ranks is split into d
+equal ranges, and the parameters move into one flat buffer laid out like the gradients::
+
+    grads   [ p0 | p1 ... | p2 ... ]     reduce-scatter: rank k gets range k, summed
+    params  [ p0 | p1 ... | p2 ... ]     rank k's optimizer updates range k; all-gather
+             <--- k=0 ---><--- k=1 --->
+
+so the step moves the bytes of the all-reduce it replaces and rank k keeps optimizer state
+only for range k (:meth:`GradBuckets.shards`). Every parameter starts ``ALIGN_BYTES``-aligned,
+as kernels want their weights.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import torch.nn as nn
 from .meta import MoEInfo
 
 EXPERT_KEYS = ("w_in", "w_out", "b_in", "b_out")  # MoEInfo.params keys of sharded expert tensors
+ALIGN_BYTES = 256  # a parameter's offset in a sharded bucket (CUDA's allocator aligns to 512)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,17 +83,65 @@ def _group_size(group: Any) -> int:
 class Bucket:
     kind: str  # "dense" | "expert"
     group: Any  # process group, or None (nothing to reduce)
-    flat: torch.Tensor
+    flat: torch.Tensor  # the gradients
     params: list[nn.Parameter]
     views: list[torch.Tensor]
+    names: list[str]
+    offsets: list[int]  # where each parameter starts in flat
+    shards: int = 1  # ranks the bucket is split over (1: every rank updates all of it)
+    rank: int = 0  # this rank's range, when sharded
+    param_flat: torch.Tensor | None = None  # sharded: the parameters' storage, laid out as flat
+
+    def range_of(self, k: int) -> tuple[int, int]:
+        """Rank k's range of the flat buffers."""
+        size = self.flat.numel() // self.shards
+        return k * size, (k + 1) * size
+
+    @property
+    def own(self) -> tuple[int, int]:
+        return self.range_of(self.rank)
+
+    def part(self, i: int, k: int) -> tuple[int, int]:
+        """Rank k's part of parameter i, as flattened elements [lo, hi) of it (empty: lo == hi)."""
+        start, end = self.range_of(k)
+        off, n = self.offsets[i], self.params[i].numel()
+        lo, hi = max(start - off, 0), min(end - off, n)
+        return (lo, hi) if lo < hi else (0, 0)
+
+
+@dataclasses.dataclass
+class Shard:
+    """The part of one trainable parameter this rank's optimizer updates: flattened elements [lo, hi).
+
+    ``grad`` is that part of the reduced gradient (a view into its bucket); ``parts`` lists every
+    rank's part of the parameter (by index in the bucket's group), which a checkpoint needs to
+    describe the whole tensor.
+    """
+
+    name: str
+    param: nn.Parameter
+    lo: int
+    hi: int
+    grad: torch.Tensor
+    parts: tuple[tuple[int, int], ...]  # every rank's [lo, hi) of the parameter, by index in the group
+    rank: int = 0  # this rank's index in parts
+
+    @property
+    def whole(self) -> bool:
+        return self.lo == 0 and self.hi == self.param.numel()
+
+    def values(self) -> torch.Tensor:
+        """The parameter's part, sharing its storage (the parameter itself when whole)."""
+        return self.param if self.whole else self.param.detach().view(-1)[self.lo : self.hi]
 
 
 class GradBuckets:
     """Gradients as views into flat buffers, reduced one bucket per collective."""
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], expert_names: set[str], world: Any = None,
-                 bucket_mb: float = 25.0):
+                 bucket_mb: float = 25.0, shard: bool = False):
         self.world = world
+        self.shard = shard
         dp = getattr(world, "dp_group", None) if world is not None else None
         edp = getattr(world, "edp_group", None) if world is not None else None
         self.dp_size = _group_size(dp) if world is not None else 1
@@ -91,37 +151,67 @@ class GradBuckets:
         limit = max(1, int(bucket_mb * 2**20))
         self.buckets: list[Bucket] = []
         for kind in ("dense", "expert"):
-            by_key: dict[tuple, list[nn.Parameter]] = {}
+            by_key: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
             for name, p in named:
                 if (name in expert_names) == (kind == "expert"):
-                    by_key.setdefault((p.dtype, p.device), []).append(p)
+                    by_key.setdefault((p.dtype, p.device), []).append((name, p))
             for (dtype, device), params in by_key.items():
-                chunk: list[nn.Parameter] = []
+                chunk: list[tuple[str, nn.Parameter]] = []
                 size = 0
-                for p in params:
+                for name, p in params:
                     if chunk and size + p.numel() * p.element_size() > limit:
                         self.buckets.append(self._bucket(kind, groups[kind], chunk, dtype, device))
                         chunk, size = [], 0
-                    chunk.append(p)
+                    chunk.append((name, p))
                     size += p.numel() * p.element_size()
                 if chunk:
                     self.buckets.append(self._bucket(kind, groups[kind], chunk, dtype, device))
 
-    @staticmethod
-    def _bucket(kind: str, group: Any, params: list[nn.Parameter], dtype: torch.dtype, device: torch.device) -> Bucket:
-        flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=device)
-        views, offset = [], 0
+    def _bucket(self, kind: str, group: Any, named: list[tuple[str, nn.Parameter]], dtype: torch.dtype,
+                device: torch.device) -> Bucket:
+        params = [p for _, p in named]
+        d = _group_size(group) if self.shard and self.world is not None else 1
+        align = max(1, ALIGN_BYTES // params[0].element_size()) if d > 1 else 1
+        offsets, end = [], 0
         for p in params:
-            views.append(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return Bucket(kind, group, flat, params, views)
+            offsets.append(end)
+            end = -(-(end + p.numel()) // align) * align
+        flat = torch.zeros(-(-end // (d * align)) * d * align if d > 1 else end, dtype=dtype, device=device)
+        views = [flat[o : o + p.numel()].view_as(p) for o, p in zip(offsets, params)]
+        bucket = Bucket(kind, group, flat, params, views, [n for n, _ in named], offsets)
+        if d > 1:  # the parameters move into a buffer laid out like the gradients, for the all-gather
+            bucket.shards, bucket.rank = d, dist.get_rank(group)
+            bucket.param_flat = torch.zeros_like(flat)
+            with torch.no_grad():
+                for o, p in zip(offsets, params):
+                    view = bucket.param_flat[o : o + p.numel()].view_as(p)
+                    view.copy_(p)
+                    p.data = view
+        return bucket
 
     @property
     def params(self) -> list[nn.Parameter]:
         return [p for b in self.buckets for p in b.params]
 
     def collectives_per_step(self) -> int:
-        return sum(1 for b in self.buckets if b.group is not None and _group_size(b.group) > 1) if self.world else 0
+        """Gradient collectives a step launches (a sharded bucket's all-gather of parameters counts too)."""
+        if not self.world:
+            return 0
+        return sum((2 if b.shards > 1 else 1) for b in self.buckets
+                   if b.group is not None and _group_size(b.group) > 1)
+
+    def shards(self) -> list[Shard]:
+        """This rank's part of every trainable parameter it updates (all of each one when not sharded)."""
+        out = []
+        for b in self.buckets:
+            for i, (name, p) in enumerate(zip(b.names, b.params)):
+                lo, hi = b.part(i, b.rank) if b.shards > 1 else (0, p.numel())
+                if lo == hi:
+                    continue
+                parts = tuple(b.part(i, k) for k in range(b.shards)) if b.shards > 1 else ((0, p.numel()),)
+                grad = b.views[i] if hi - lo == p.numel() else b.flat[b.offsets[i] + lo : b.offsets[i] + hi]
+                out.append(Shard(name, p, lo, hi, grad, parts, b.rank))
+        return out
 
     def prepare(self) -> None:
         """Zero the buckets and point every ``param.grad`` at its view (backward accumulates in place)."""
@@ -132,25 +222,53 @@ class GradBuckets:
                     p.grad = v
 
     def sync(self) -> None:
-        """Sum each bucket over its group (all launched before any is waited on), then divide by dp size."""
+        """Sum each bucket over its group (all launched before any is waited on), then divide by dp size.
+
+        A sharded bucket is reduce-scattered: only this rank's range holds the reduced gradient.
+        """
         if self.world is None:
             return
         handles = []
         for b in self.buckets:
-            if b.group is not None and _group_size(b.group) > 1:
+            if b.shards > 1:
+                lo, hi = b.own
+                handles.append(dist.reduce_scatter_single(b.flat[lo:hi], b.flat, group=b.group, async_op=True))
+            elif b.group is not None and _group_size(b.group) > 1:
                 handles.append(dist.all_reduce(b.flat, group=b.group, async_op=True))
         for h in handles:
             h.wait()
         if self.dp_size > 1:
-            for b in self.buckets:
-                b.flat.div_(self.dp_size)
+            for flat in self._reduced():
+                flat.div_(self.dp_size)
+
+    def gather_params(self) -> None:
+        """Sharded buckets: every rank's updated range of the parameters, to every rank (all-gather)."""
+        handles = []
+        for b in self.buckets:
+            if b.shards > 1:
+                lo, hi = b.own
+                handles.append(dist.all_gather_single(b.param_flat, b.param_flat[lo:hi], group=b.group,
+                                                           async_op=True))
+        for h in handles:
+            h.wait()
+
+    def _reduced(self, kind: str | None = None) -> list[torch.Tensor]:
+        """The reduced part of each bucket: its own range when sharded, else all of it."""
+        return [b.flat[b.own[0] : b.own[1]] if b.shards > 1 else b.flat
+                for b in self.buckets if kind is None or b.kind == kind]
 
     def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm: dense grads are replicated, expert shards summed over the expert-parallel group."""
+        """The global L2 norm: dense grads are replicated, expert shards summed over the expert-parallel group.
+
+        Sharded, every element's reduced value lives on exactly one rank: one sum over all ranks.
+        """
         sq = {}
         for kind in ("dense", "expert"):
-            flats = [b.flat for b in self.buckets if b.kind == kind]
-            sq[kind] = sum((f.float().square().sum() for f in flats), torch.zeros((), device=self._device()))
+            sq[kind] = sum((f.float().square().sum() for f in self._reduced(kind)), torch.zeros((), device=self._device()))
+        if any(b.shards > 1 for b in self.buckets):
+            total = sq["dense"] + sq["expert"]
+            dist.all_reduce(total, group=self.world.dp_group)
+            return total.sqrt()
         ep_group = getattr(self.world, "ep_group", None) if self.world is not None else None
         if ep_group is not None and _group_size(ep_group) > 1:
             dist.all_reduce(sq["expert"], group=ep_group)
@@ -160,8 +278,8 @@ class GradBuckets:
         """Scale all grads so the global norm is at most ``max_norm``; returns the norm before (no host sync)."""
         norm = self.grad_norm()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for b in self.buckets:
-            b.flat.mul_(scale.to(b.flat.dtype))
+        for flat in self._reduced():
+            flat.mul_(scale.to(flat.dtype))
         return norm
 
     def _device(self) -> torch.device:

@@ -39,10 +39,10 @@ import torch.utils._pytree as pytree
 from . import host_memory
 from .errors import MoecompileError
 from .grad_sync import GradBuckets, expert_parameters, moe_blocks
+from .optimizer import OptimizerFactory, build_optimizer, updates_for
 
 log = logging.getLogger(__name__)
 
-OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[Any, Any], torch.Tensor]
 PRECISIONS = ("fp32", "bf16")
 
@@ -123,19 +123,17 @@ class TrainStep:
         if self.precision not in PRECISIONS:
             raise MoecompileError(f"precision {self.precision!r} is not one of {PRECISIONS}")
         self.expert_names = set(expert_parameters(self.module))
-        self.buckets = GradBuckets(params.items(), self.expert_names, self.world, bucket_mb)
+        self.sharded = bool(self.plan.parallel.shard_optimizer and self.world is not None
+                            and getattr(self.world, "world_size", 1) > 1)
+        self.buckets = GradBuckets(params.items(), self.expert_names, self.world, bucket_mb, shard=self.sharded)
         self.trainable = {n: p for n, p in params.items() if p.requires_grad}
         # bf16 parameters train through fp32 master copies; fp32 ones are their own masters
-        self.masters: dict[str, nn.Parameter] = {}
-        if any(p.dtype != torch.float32 for p in self.trainable.values()):
-            self.masters = {n: nn.Parameter(p.detach().float().clone()) for n, p in self.trainable.items()}
-        opt_params = list((self.masters or self.trainable).values())
-        factory = optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-        self.optimizer = factory(opt_params)
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise MoecompileError(
-                f"optimizer must be a factory params -> torch.optim.Optimizer, it returned {type(self.optimizer).__name__}"
-            )
+        masters = any(p.dtype != torch.float32 for p in self.trainable.values())
+        order = {name: i for i, name in enumerate(self.trainable)}
+        self.updates = updates_for(sorted(self.buckets.shards(), key=lambda s: order[s.name]), masters)
+        self.masters: dict[str, nn.Parameter] = {u.shard.name: u.tensor for u in self.updates} if masters else {}
+        self.optimizer = build_optimizer(optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
+                                         list(self.trainable.values()), self.updates, self.sharded)
         self.bias_rate = expert_bias_rate if expert_bias_rate is not None else self.plan.experts.expert_bias_rate
         self.biases = self._expert_biases()
         self.step_count = 0
@@ -184,18 +182,20 @@ class TrainStep:
             (loss / len(parts)).backward()
         self.buckets.sync()
         norm = self.buckets.clip_(self.clip_grad_norm) if self.clip_grad_norm is not None else None
-        if self.masters:
-            for name, p in self.trainable.items():
-                self.masters[name].grad = p.grad.float()
+        for u in self.updates:
+            u.load_grad()
         self.optimizer.step()
-        if self.masters:
-            with torch.no_grad():
-                for name, p in self.trainable.items():
-                    p.copy_(self.masters[name])
+        self.write_back()
         if handle is not None:
             handle.wait()
         self._update_biases(reduced)
         return {"stats": reduced, "grad_norm": norm}
+
+    def write_back(self) -> None:
+        """The optimizer's new values into every rank's parameters: masters copied, shards all-gathered."""
+        for u in self.updates:
+            u.write_back()
+        self.buckets.gather_params()
 
     def _forward(self, inputs: Any) -> Any:
         if isinstance(inputs, dict):

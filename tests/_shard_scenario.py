@@ -1,0 +1,118 @@
+"""Sharded optimizer runs shared by tests/test_shard_optimizer.py (spawned once per session, cached).
+
+``two_ranks()``: on 2 gloo ranks, each setting in SETTINGS trains STEPS steps unsharded and then
+sharded (parallel.shard_optimizer) from the same init on the same batches; the sharded ep=2 run
+saves a checkpoint and takes STEPS more steps. ``four_ranks()``: on 4 ranks at ep=2 (edp=2, so
+expert ranges are sharded too) the same comparison, then that checkpoint loaded sharded.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from _ep_scenario import GLOBAL_BATCH, SEQ, data
+from _spawn import run
+
+STEPS = 3
+EXPERTS = {"num_experts": 4, "top_k": 2, "z_loss_coeff": 1e-3, "router_noise": 0.02}
+SETTINGS = {"dp2": (1, None), "ep2": (2, None), "dp2_bf16": (1, "bfloat16")}  # name: (ep, dtype)
+
+
+def grouped_adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """Two param groups built from the parameters (no decay on vectors), as users write them."""
+    vectors = [p for p in params if p.dim() < 2]
+    matrices = [p for p in params if p.dim() >= 2]
+    return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+                             lr=3e-3)
+
+
+def make_step(world_size: int, ep: int, shard: bool, dtype: str | None = None) -> tuple[Any, Any]:
+    import moecompile as mc
+    from moecompile.models import build_model
+
+    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=GLOBAL_BATCH // world_size, seq_len=SEQ,
+                                dtype=dtype)
+    plan = {"experts": EXPERTS, "parallel": {"ep": ep, "shard_optimizer": shard}}
+    result = mc.convert(dense, plan, (ids,))
+    return result, mc.build_train_step(result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.05)
+
+
+def optimizer_bytes(step: Any) -> int:
+    """Bytes this rank keeps for the optimizer: its state tensors and the fp32 masters."""
+    state = sum(t.numel() * t.element_size() for s in step.optimizer.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return state + sum(t.numel() * t.element_size() for t in step.masters.values())
+
+
+def _train(step: Any, rank: int, world_size: int, first: int, count: int) -> list[dict]:
+    stream = data()
+    out = []
+    for i in range(first, first + count):
+        m = step(stream.shard(i, rank, world_size))
+        out.append({"loss": m.loss, "grad_norm": m.grad_norm, "load": m.expert_load})
+    return out
+
+
+def _compare(rank: int, world_size: int, ep: int, dtype: str | None) -> dict:
+    out: dict[str, Any] = {}
+    for shard in (False, True):
+        result, step = make_step(world_size, ep, shard, dtype)
+        metrics = _train(step, rank, world_size, 0, STEPS)
+        out[shard] = {
+            "metrics": metrics, "bytes": optimizer_bytes(step), "collectives": step.buckets.collectives_per_step(),
+            "params": {n: p.detach().float().clone() for n, p in result.module.named_parameters()},
+            "misaligned": [n for b in step.buckets.buckets if b.shards > 1 for n, p in zip(b.names, b.params)
+                           if (p.data_ptr() - b.param_flat.data_ptr()) % 256],  # the buffer: CPU aligns to 64
+            "groups": [len(g["params"]) for g in step.optimizer.param_groups],
+            "decay": [g["weight_decay"] for g in step.optimizer.param_groups],
+        }
+    return out
+
+
+def two_ranks_worker(rank: int, world_size: int, out: str) -> dict:
+    res = {name: _compare(rank, world_size, ep, dtype) for name, (ep, dtype) in SETTINGS.items()}
+    _, step = make_step(world_size, 2, True)
+    _train(step, rank, world_size, 0, STEPS)
+    step.save(Path(out) / "ckpt")
+    res["continued"] = _train(step, rank, world_size, STEPS, STEPS)
+    _, again = make_step(world_size, 2, True)
+    again.load(Path(out) / "ckpt")
+    res["resumed"] = _train(again, rank, world_size, STEPS, STEPS)
+    return res
+
+
+@functools.lru_cache(maxsize=None)
+def two_ranks() -> tuple[Path, list[dict]]:
+    out = Path(tempfile.mkdtemp(prefix="moecompile-zero-"))
+    atexit.register(shutil.rmtree, out, True)
+    return out, run(two_ranks_worker, 2, (str(out),), timeout=400)
+
+
+def four_ranks_worker(rank: int, world_size: int, ckpt: str) -> dict:
+    res = {"ep2": _compare(rank, world_size, 2, None)}
+    _, step = make_step(world_size, 2, True)
+    step.load(ckpt)
+    res["loaded"] = _train(step, rank, world_size, STEPS, 1)
+    return res
+
+
+@functools.lru_cache(maxsize=None)
+def four_ranks() -> list[dict]:
+    out, _ = two_ranks()
+    return run(four_ranks_worker, 4, (str(out / "ckpt"),), timeout=500)
+
+
+@functools.lru_cache(maxsize=None)
+def one_process_from_checkpoint() -> list[dict]:
+    """The 2-rank sharded checkpoint loaded by one unsharded process, and its next steps on the whole batch."""
+    out, _ = two_ranks()
+    _, step = make_step(1, 1, False)
+    step.load(out / "ckpt")
+    return _train(step, 0, 1, STEPS, STEPS)
