@@ -9,6 +9,7 @@ plan fails at load time, not three passes later.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin
@@ -49,6 +50,13 @@ def _describe_type(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+@functools.cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """A section's resolved field annotations, once per class (``typing.get_type_hints`` is slow, and the
+    planner builds thousands of plans)."""
+    return typing.get_type_hints(cls)
+
+
 @dataclasses.dataclass(frozen=True)
 class Section:
     """Base class; subclasses are frozen dataclasses with a ``name`` and a ``validate``."""
@@ -56,7 +64,7 @@ class Section:
     name: ClassVar[str] = "section"
 
     def __post_init__(self) -> None:
-        hints = typing.get_type_hints(type(self))
+        hints = _type_hints(type(self))
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, tuple) and get_origin(hints[f.name]) is list:
