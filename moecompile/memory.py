@@ -342,6 +342,10 @@ class MemoryEstimate:
     profile: ActivationProfile = dataclasses.field(repr=False)
     masters: int = 0  # fp32 master copies of low-precision parameters (build_train_step keeps them)
     expert_params: int = 0  # the part of ``params`` that is this rank's routed experts (E/ep of them)
+    master_grads: int = 0  # the part of ``grads`` that is the masters' fp32 .grad
+    shard_optimizer: bool = False  # optimizer, masters and master grads are this rank's range (ZeRO-1)
+    dp: int = 1  # ranks the dense ranges are split over (the data-parallel world) when sharded
+    edp: int = 1  # ranks the expert ranges are split over (dp / ep) when sharded
 
     @property
     def total(self) -> int:
@@ -364,6 +368,9 @@ class MemoryEstimate:
         lines += ["  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
         if self.by_pass:
             lines.append("  after pass: " + ", ".join(f"{p.name} {b(p.activations)}" for p in self.by_pass))
+        if self.shard_optimizer:
+            lines.append(f"  optimizer, masters and their grads: this rank's range (parallel.shard_optimizer): dense / "
+                         f"dp={self.dp}, experts / edp={self.edp}")
         return "\n".join(lines)
 
 
@@ -387,7 +394,8 @@ def example_inputs(result: Any, batch: Any = None) -> list[Any]:
 
 
 def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw", state_dtype: torch.dtype | None = None,
-                    master_weights: bool | None = None, by_pass: bool = True) -> MemoryEstimate:
+                    master_weights: bool | None = None, by_pass: bool = True, shard_optimizer: bool | None = None,
+                    dp: int | None = None) -> MemoryEstimate:
     """Per-rank memory of ``result`` (a ConversionResult) for a training step; nothing real runs.
 
     On an expert-parallel graph (``parallel.ep`` > 1, converted on this rank) every figure is this
@@ -400,6 +408,14 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
     when any trainable parameter is not fp32. ``state_dtype``: the optimizer states' dtype; None
     is the dtype the optimizer sees (fp32 with masters, else each parameter's own, as torch.optim
     keeps them). ``by_pass``: also estimate activations after every pass in ``result.history``.
+
+    ``shard_optimizer`` (None: ``plan.parallel.shard_optimizer``): ZeRO-1, the optimizer states,
+    masters and the masters' grads are this rank's range only: dense parameters' over ``dp`` ranks,
+    experts' over ``edp = dp / ep`` (parameters and model-dtype grads stay whole). ``dp``: the
+    data-parallel world size of the run to estimate; None takes the result's world (1 for a
+    single-process conversion, where sharding changes nothing). A single-process ``ep=1``
+    conversion holds what every rank of an ``ep=1`` run holds, so ``dp=4`` estimates one rank of
+    4; for ``ep > 1`` convert under the world (or a fake process group) so the graph holds E/ep experts.
     """
     if optimizer not in _OPTIMIZER_STATES:
         raise MoecompileError(f"estimate_memory: optimizer {optimizer!r} unknown; use one of {', '.join(_OPTIMIZER_STATES)}")
@@ -418,22 +434,21 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
             f"{str(e).splitlines()[0] if str(e) else ''}); a graph traced with static shapes only takes its example "
             "batch size: convert with dynamic=True to estimate other batches"
         ) from e
-    params = {id(p): p for p in gm.parameters()}
-    p_bytes = sum(p.numel() * p.element_size() for p in params.values())
-    trainable = [p for p in params.values() if p.requires_grad]
-    g_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    named = dict(gm.named_parameters())  # shared parameters once
+    p_bytes = sum(p.numel() * p.element_size() for p in named.values())
+    trainable = {n: p for n, p in named.items() if p.requires_grad}
+    g_bytes = sum(p.numel() * p.element_size() for p in trainable.values())  # the model-dtype buckets, whole
     if master_weights is None:  # build_train_step: bf16 parameters train through fp32 masters
-        master_weights = any(p.dtype != torch.float32 for p in trainable)
-    n_trainable = sum(p.numel() for p in trainable)
-    m_bytes = 4 * n_trainable if master_weights else 0
-    if master_weights:
-        g_bytes += 4 * n_trainable  # the masters' fp32 .grad, kept between steps
+        master_weights = any(p.dtype != torch.float32 for p in trainable.values())
+    shard, dp, edp = _optimizer_ranks(result, shard_optimizer, dp, ep)
+    ranged = _ranged(trainable, set(expert_parameters(gm)), dp if shard else 1, edp if shard else 1)
+    m_bytes = ranged(lambda p: 4) if master_weights else 0  # the masters and, as much, their fp32 .grad
     if state_dtype is not None:
-        state_bytes = n_trainable * torch.empty((), dtype=state_dtype).element_size()
+        size = torch.empty((), dtype=state_dtype).element_size()
+        state_bytes = ranged(lambda p: size)
     else:
-        state_bytes = 4 * n_trainable if master_weights else sum(p.numel() * p.element_size() for p in trainable)
+        state_bytes = ranged(lambda p: 4 if master_weights else p.element_size())
     buf_bytes = sum(b.numel() * b.element_size() for b in gm.buffers())
-    named = dict(gm.named_parameters())
     x_bytes = sum(named[n].numel() * named[n].element_size() for n in expert_parameters(gm) if n in named)
     by_layer: dict[str, dict[str, int]] = {}
     for k, t in profile.tensors.items():
@@ -446,11 +461,37 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
             history.append(_pass_memory(rec, gm, inputs, ep))
     tokens = next((t.numel() for t in inputs if isinstance(t, torch.Tensor) and not t.is_floating_point()), 0)
     return MemoryEstimate(
-        params=p_bytes, grads=g_bytes, optimizer=_OPTIMIZER_STATES[optimizer] * state_bytes, buffers=buf_bytes,
+        params=p_bytes, grads=g_bytes + m_bytes, optimizer=_OPTIMIZER_STATES[optimizer] * state_bytes, buffers=buf_bytes,
         activations=profile.device_bytes, offloaded=profile.host_bytes, by_category=profile.split("category"),
         by_layer=dict(sorted(by_layer.items(), key=lambda kv: _layer_order(kv[0]))), by_pass=history,
-        tokens=tokens, profile=profile, masters=m_bytes, expert_params=x_bytes,
+        tokens=tokens, profile=profile, masters=m_bytes, expert_params=x_bytes, master_grads=m_bytes,
+        shard_optimizer=shard, dp=dp, edp=edp,
     )
+
+
+def _optimizer_ranks(result: Any, shard: bool | None, dp: int | None, ep: int) -> tuple[bool, int, int]:
+    """(shard the optimizer?, dp, edp) of the run ``estimate_memory`` estimates."""
+    if dp is None:
+        world = getattr(getattr(result, "context", None), "world", None)
+        dp = world.world_size if world is not None else 1
+    elif not isinstance(dp, int) or isinstance(dp, bool) or dp < 1 or dp % ep:
+        raise MoecompileError(f"estimate_memory: dp={dp!r} must be the run's number of data-parallel ranks, a whole "
+                              f"multiple of parallel.ep={ep} (each ep group of ranks holds every expert once)")
+    shard = result.plan.parallel.shard_optimizer if shard is None else bool(shard)
+    return shard, dp, dp // ep
+
+
+def _ranged(trainable: dict[str, torch.nn.Parameter], experts: set[str], dp: int, edp: int) -> Callable[[Callable], int]:
+    """Bytes of a per-element cost over the trainable parameters, for this rank's range: every (kind, dtype)
+    bucket is split into equal ranges, dense ones over ``dp`` ranks and expert ones over ``edp`` (1, 1: whole)."""
+
+    def total(nbytes: Callable[[torch.nn.Parameter], int]) -> int:
+        groups: collections.Counter[tuple[bool, torch.dtype, int]] = collections.Counter()
+        for name, p in trainable.items():
+            groups[(name in experts, p.dtype, nbytes(p))] += p.numel()
+        return sum(size * -(-count // (edp if expert else dp)) for (expert, _, size), count in groups.items())
+
+    return total
 
 
 def _layer_order(layer: str) -> tuple:

@@ -158,3 +158,66 @@ def test_expert_parallel_estimate_is_per_rank(model, batch, fake_world, mode):
     assert abs(two.activations - one.activations) / one.activations < 0.1  # balanced: the same rows per rank
     assert [p.name for p in two.by_pass] == [r.name for r in result.history]
     assert all(p.activations is not None for p in two.by_pass)
+
+
+# --- parallel.shard_optimizer (ZeRO-1): a rank keeps optimizer state for its range only -------------------
+
+
+def _counts(result) -> tuple[int, int]:
+    """(dense, expert) trainable parameter elements, by name."""
+    named = dict(result.module.named_parameters())
+    expert = sum(p.numel() for n, p in named.items() if ".experts.w_" in n or ".experts.b_" in n)
+    return sum(p.numel() for p in named.values()) - expert, expert
+
+
+def test_sharded_optimizer_is_this_ranks_range_of_a_single_process_graph(batch):
+    """dp=4 estimates one rank of a 4-rank ep=1 run: AdamW states, fp32 masters and their grads / 4."""
+    import dataclasses
+
+    model = tiny_hf("llama").to(torch.bfloat16)
+    result = mc.convert(model, {"experts": EXPERTS, "parallel": {"shard_optimizer": True}}, (batch,))
+    dense, expert = _counts(result)
+    assert expert == 2 * 4 * 3 * 32 * 64  # 2 layers x E=4 x (gate, up, down) x H x F
+    n = dense + expert
+    share = -(-dense // 4) + -(-expert // 4)  # ep=1: the experts' ranks are the data-parallel ones too
+    est = mc.estimate_memory(result, by_pass=False, dp=4)
+    assert (est.shard_optimizer, est.dp, est.edp) == (True, 4, 4)
+    assert est.params == 2 * n and est.optimizer == 8 * share and est.masters == 4 * share
+    assert est.grads == 2 * n + 4 * share  # the bf16 buckets stay whole; the masters' fp32 grads are the range
+    assert "dp=4" in str(est)
+    whole = mc.estimate_memory(result, by_pass=False)  # a single process: no world, dp = 1
+    assert whole.dp == 1 and whole.optimizer == 8 * n and whole.masters == 4 * n and whole.grads == 6 * n
+    off = mc.estimate_memory(result, by_pass=False, dp=4, shard_optimizer=False)  # the keyword wins
+    assert off.optimizer == 8 * n and off.grads == 6 * n
+    unsharded = dataclasses.replace(result, plan=result.plan.replace(parallel={"shard_optimizer": False}))
+    assert mc.estimate_memory(unsharded, by_pass=False, dp=4).optimizer == 8 * n  # the plan's field by default
+    assert mc.estimate_memory(unsharded, by_pass=False, dp=4, shard_optimizer=True).optimizer == 8 * share
+    with pytest.raises(mc.MoecompileError, match="dp=0"):
+        mc.estimate_memory(result, by_pass=False, dp=0)
+
+
+@pytest.fixture()
+def fake_world4():
+    """Rank 0 of a fake 4-process world (ep=2: ep groups {0,1} {2,3}, edp groups {0,2} {1,3})."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_optimizer_splits_dense_over_dp_and_experts_over_edp(model, batch, fake_world4):
+    result = mc.convert(model, {"experts": EXPERTS, "parallel": {"ep": 2, "shard_optimizer": True}}, (batch,))
+    dense, expert = _counts(result)  # this rank's E/ep = 2 experts
+    assert expert == 2 * 2 * 3 * 32 * 64
+    est = mc.estimate_memory(result, by_pass=False)
+    assert (est.dp, est.edp) == (4, 2)  # from the result's world
+    assert est.optimizer == 2 * 4 * (-(-dense // 4) + -(-expert // 2))  # two fp32 states, dense / 4, experts / 2
+    assert est.masters == 0 and est.grads == est.params == 4 * (dense + expert)  # fp32: its own master
+    whole = mc.estimate_memory(result, by_pass=False, shard_optimizer=False)
+    assert whole.optimizer == 2 * 4 * (dense + expert)
+    with pytest.raises(mc.MoecompileError, match="multiple of parallel.ep=2"):
+        mc.estimate_memory(result, by_pass=False, dp=3)
