@@ -94,10 +94,10 @@ def published_table() -> list[dict]:
             profiles[r.model] = profile_config(r.model, seq_len=SEQ)
         prof = profiles[r.model]
         experts = prof.plan.experts.to_dict()
-        plan = mc.Plan.from_dict({"experts": experts, "parallel": {"ep": r.ep},
+        plan = mc.Plan.from_dict({"experts": experts, "parallel": {"ep": r.ep, "shard_optimizer": True},
                                   "fp8": {"recipe": "blockwise" if r.precision == "fp8" else "none"}})
         cand = Candidate(plan, micro_batch=r.mbs, tp=r.tp, pp=r.pp, vpp=r.vpp, ep_overlap_1f1b=r.a2a_overlap,
-                         grad_sync_overlap=True, distributed_optimizer=True, grad_bytes=4,
+                         grad_sync_overlap=True, grad_bytes=4,
                          assume_recompute=r.recompute, assume_fp8=r.precision == "fp8")
         est = estimate(prof, preset(r.system, r.gpus), cand, r.gbs)
         per_token = r.tflops * 1e12 / r.tokens_s if r.tokens_s else _source_flops_per_token(r.model)

@@ -89,7 +89,8 @@ def _search(profile, cluster, global_batch, space):
 
 
 def test_plans_that_cannot_fit_are_rejected_with_the_reason(tiny_profile):
-    space = dataclasses.replace(EVERYTHING, recompute_sets=((),), fp8_recipes=("none",), micro_batches=(1,))
+    space = dataclasses.replace(EVERYTHING, recompute_sets=((),), fp8_recipes=("none",), micro_batches=(1,),
+                                shard_optimizer=(False,))  # sharding the optimizer would fit ep=2 (tested below)
     big = tiny_cluster(8)
     by_ep = {}
     for c in enumerate_candidates(tiny_profile.plan.experts.to_dict(), big, 8, space)[0]:
@@ -249,6 +250,123 @@ def test_layer_scaling_is_exact_for_flops():
     full = _meta_convert(cfg, {"experts": TINY}, 1, 16)
     assert math.isclose(prof.flops, graph_costs(full.history[-1].graph).flops, rel_tol=1e-9)
     assert math.isclose(prof.dense_params + prof.expert_params, sum(p.numel() for p in full.module.parameters()))
+
+
+# --- parallel.shard_optimizer (ZeRO-1): the optimizer's memory is the rank's range ------------------------
+
+
+def _zero1(profile, ep: int, shard: bool, **kw) -> Candidate:
+    plan = mc.Plan.from_dict({"experts": profile.plan.experts.to_dict(), "parallel": {"ep": ep, "shard_optimizer": shard}})
+    return Candidate(plan, **kw)
+
+
+def test_sharded_optimizer_memory_is_the_ranks_range(tiny_profile):
+    """bf16: params 2 B and grads 2 B whole; masters 4 + their grads 4 + AdamW 8 = 16 B over dp (dense) / edp (experts)."""
+    from moecompile.planner.cost_model import static_memory
+
+    assert tiny_profile.elem_bytes == 2 and tiny_profile.state_bytes == (2.0, 16.0)  # from the memory estimator
+    D, X = tiny_profile.dense_params, tiny_profile.expert_params
+    cl = tiny_cluster(8)  # ep=2: dp=8, edp=4
+    mem = {shard: {t.name: t.value for t in estimate(tiny_profile, cl, _zero1(tiny_profile, 2, shard), 8).memory}
+           for shard in (False, True)}
+    held = D + X / 2
+    for shard in (False, True):
+        assert mem[shard]["params"] == mem[shard]["grads"] == held * 2
+    assert mem[False]["optimizer"] == held * 16
+    assert mem[True]["optimizer"] == pytest.approx((D / 8 + X / 2 / 4) * 16)
+    assert static_memory(tiny_profile, _zero1(tiny_profile, 2, True), 8) == pytest.approx(held * 4 + (D / 8 + X / 8) * 16)
+    assert "zero1" in _zero1(tiny_profile, 2, True).describe() and "zero1" not in _zero1(tiny_profile, 2, False).describe()
+    # on one GPU it changes nothing; at ep = GPUs the experts have no replicas to split over (edp = 1)
+    one = tiny_cluster(1)
+    assert (static_memory(tiny_profile, _zero1(tiny_profile, 1, True), 1)
+            == static_memory(tiny_profile, _zero1(tiny_profile, 1, False), 1))
+    full_ep = estimate(tiny_profile, cl, _zero1(tiny_profile, 8, True), 8)
+    assert next(t.value for t in full_ep.memory if t.name == "optimizer") == pytest.approx((D / 8 + X / 8) * 16)
+    # without the estimator: the same default; Megatron's fp32 gradients are the masters' own (no fp32 copy)
+    bare = dataclasses.replace(tiny_profile, state_bytes=None)
+    fp32_grads = {t.name: t.value for t in estimate(bare, one, _zero1(bare, 1, True, grad_bytes=4), 1).memory}
+    assert fp32_grads["grads"] == (D + X) * 4 and fp32_grads["optimizer"] == (D + X) * (4 + 8)
+    assert static_memory(bare, _zero1(bare, 1, False), 1) == (D + X) * (2 + 2 + 16)
+
+
+def test_sharding_never_costs_time_and_saves_memory(tiny_profile):
+    """Gradients in the parameter dtype: reduce-scatter + all-gather move the all-reduce's bytes; the update is the range's."""
+    cl = tiny_cluster(16)
+    for ep in (1, 2, 16):
+        off, on = (estimate(tiny_profile, cl, _zero1(tiny_profile, ep, s), 16) for s in (False, True))
+        assert on.term("gradient sync") == pytest.approx(off.term("gradient sync"))
+        assert on.term("optimizer") < off.term("optimizer") and on.step_s < off.step_s
+        assert on.memory_bytes < off.memory_bytes
+        assert "reduce-scatter + all-gather" in next(t.detail for t in on.terms if t.name == "gradient sync")
+
+
+def _tight_memory(profile, gpus: int) -> float:
+    """GPU bytes between the smallest sharded plan (fits) and the smallest unsharded one (does not)."""
+    from moecompile.planner.cost_model import static_memory
+
+    on = min(estimate(profile, tiny_cluster(gpus), _zero1(profile, ep, True), gpus).memory_bytes for ep in (1, 2, 4, 8))
+    off = min(static_memory(profile, _zero1(profile, ep, False), gpus) for ep in (1, 2, 4, 8))
+    assert on < off
+    return (on + off) / 2 / tiny_cluster(gpus).usable_memory_fraction
+
+
+def test_the_search_shards_the_optimizer_when_only_that_fits(tiny_profile):
+    space = dataclasses.replace(EVERYTHING, recompute_sets=((),), fp8_recipes=("none",), micro_batches=(1,))
+    cl = dataclasses.replace(tiny_cluster(8), memory_bytes=_tight_memory(tiny_profile, 8))
+    report = _search(tiny_profile, cl, 8, space)
+    assert report.ranked and all(e.candidate.plan.parallel.shard_optimizer for e in report.ranked)
+    assert {e.candidate.distributed_optimizer for e, _ in report.rejected} == {False, True}
+    assert "zero1" in report.table()
+    with pytest.raises(MoecompileError, match="no plan"):  # without it nothing fits
+        _search(tiny_profile, cl, 8, dataclasses.replace(space, shard_optimizer=(False,))).best
+    # on a tie the unsharded plan ranks first (it runs any torch optimizer); faster beyond the tie, the sharded one
+    from moecompile.planner.search import _rank_key
+
+    off = estimate(tiny_profile, tiny_cluster(8), _zero1(tiny_profile, 8, False), 8)
+    on = dataclasses.replace(estimate(tiny_profile, tiny_cluster(8), _zero1(tiny_profile, 8, True), 8), step_s=off.step_s)
+    assert sorted([on, off], key=_rank_key)[0] is off
+    assert sorted([dataclasses.replace(on, step_s=off.step_s / (1 + 3 * TIE)), off], key=_rank_key)[1] is off
+    roomy = _search(tiny_profile, tiny_cluster(8), 8, space)
+    ranked = {(e.candidate.ep, e.candidate.plan.parallel.dispatcher, e.candidate.plan.parallel.dispatch_mode,
+               e.candidate.plan.parallel.capacity_factor, e.candidate.plan.experts.apply_weights,
+               e.candidate.distributed_optimizer): e for e in roomy.ranked}
+    best = roomy.best.candidate
+    twin = ranked[(best.ep, best.plan.parallel.dispatcher, best.plan.parallel.dispatch_mode,
+                   best.plan.parallel.capacity_factor, best.plan.experts.apply_weights, not best.distributed_optimizer)]
+    if best.distributed_optimizer:  # chosen for time: faster than its unsharded twin beyond the tie
+        assert twin.step_s > roomy.best.step_s * (1 + TIE)
+    else:
+        assert twin.step_s >= roomy.best.step_s / (1 + TIE) ** 2
+
+
+def test_one_gpu_never_shards_the_optimizer():
+    cands, _ = enumerate_candidates(TINY, tiny_cluster(1), 2, SPACE)
+    assert cands and not any(c.plan.parallel.shard_optimizer for c in cands)
+    cands, _ = enumerate_candidates(TINY, tiny_cluster(8), 8, SPACE)
+    on = [c for c in cands if c.plan.parallel.shard_optimizer]
+    assert len(on) * 2 == len(cands)  # every plan once each way
+    key = lambda c: (repr(c.plan.replace(parallel={"shard_optimizer": False})), c.micro_batch)  # noqa: E731
+    assert sorted(map(key, on)) == sorted(key(c) for c in cands if not c.plan.parallel.shard_optimizer)
+
+
+def test_cli_plan_writes_shard_optimizer_when_it_is_what_fits(tmp_path, capsys, monkeypatch, tiny_profile):
+    """moecompile plan on GPUs where only a sharded optimizer fits writes parallel.shard_optimizer: true."""
+    import moecompile.planner as planner
+    from moecompile.cli import main
+
+    memory = _tight_memory(tiny_profile, 8)
+    monkeypatch.setattr(planner, "preset", lambda name, gpus=None: tiny_cluster(gpus, memory_gb=memory / 1e9))
+    out = tmp_path / "p.yaml"
+    args = ["plan", "--model", "tiny-llama", "--experts", '{"num_experts": 64, "top_k": 2}', "--gpus", "8",
+            "--global-batch", "8", "--seq-len", "8", "--micro-batches", "1", "--fp8", "none", "--out", str(out)]
+    rc = main(args)
+    text = capsys.readouterr().out
+    assert rc == 0 and "zero1" in text
+    assert "shard_optimizer: true" in out.read_text()
+    loaded = mc.Plan.from_file(out)
+    assert loaded.parallel.shard_optimizer and mc.Plan.from_dict(loaded.to_dict()) == loaded
+    assert main(args[:-2] + ["--shard-optimizer", "off"]) == 1  # an optimizer that must stay whole: nothing fits
+    assert "no plan fits in memory" in capsys.readouterr().out
 
 
 # --- plan.yaml round-trips through convert -------------------------------------------------------------

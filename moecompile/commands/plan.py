@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--experts", default=None, help="experts plan as JSON, for a dense model (or to override an MoE's)")
     p.add_argument("--micro-batches", default="1,2,4", help="micro-batch sizes to try (sequences), comma-separated")
     p.add_argument("--fp8", default=None, help="FP8 recipes to try, e.g. none,blockwise (default: all the pass has)")
+    p.add_argument("--shard-optimizer", choices=("auto", "on", "off"), default="auto",
+                   help="parallel.shard_optimizer (ZeRO-1): auto tries both on more than one GPU; off for an "
+                        "optimizer that is not elementwise")
     p.add_argument("--top", type=int, default=5, help="plans to show")
     p.add_argument("--explain", action="store_true", help="print every term of the best plan's estimate")
     p.add_argument("--out", default=None, help="write the best plan here (plan.yaml)")
@@ -40,6 +43,8 @@ def run(args: argparse.Namespace) -> int:
         space = SearchSpace.available(**overrides)
         if args.fp8:
             space = dataclasses.replace(space, fp8_recipes=tuple(r for r in args.fp8.split(",") if r))
+        if args.shard_optimizer != "auto":
+            space = dataclasses.replace(space, shard_optimizer=(args.shard_optimizer == "on",))
         report = plan_for(args.model, args.cluster, gpus=args.gpus, global_batch=args.global_batch,
                           seq_len=args.seq_len, experts=experts, space=space,
                           progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))

@@ -19,8 +19,13 @@ The model, per micro-batch and rank (T tokens of the micro-batch, /tp with seque
   (pp-1)/vpp micro-batches.
 - data parallel: gradient all-reduce of dense parameters over the dp ranks and of expert
   parameters over the expert-data-parallel ranks; the AdamW update streams every parameter.
+  With ``parallel.shard_optimizer`` (ZeRO-1, "zero1") a reduce-scatter of the gradients and an
+  all-gather of the parameters replace the all-reduce (the same bytes when gradients are in the
+  parameter dtype), and each rank updates only its range: dense / dp, experts / edp.
 - memory: parameters, gradients and optimizer state per rank (experts / ep) and the activations
   the graph keeps for backward, from the memory estimator (or moecompile.costs when it is absent).
+  Sharded, a rank keeps the AdamW states, fp32 masters and their grads of its range only; the
+  parameters and the model-dtype gradient buckets stay whole.
 """
 
 from __future__ import annotations
@@ -56,7 +61,6 @@ class Candidate:
     vpp: int = 1
     ep_overlap_1f1b: bool = False
     grad_sync_overlap: bool = False
-    distributed_optimizer: bool = False
     grad_bytes: float | None = None  # per element; None: the parameter dtype
     assume_recompute: tuple[str, ...] = ()  # regions treated as recomputed though the graph has no marks
     assume_fp8: bool = False  # treat plan.fp8.modules GEMMs as FP8 though the graph has no FP8 ops
@@ -64,6 +68,11 @@ class Candidate:
     @property
     def ep(self) -> int:
         return self.plan.parallel.ep
+
+    @property
+    def distributed_optimizer(self) -> bool:
+        """ZeRO-1 / Megatron-Core's distributed optimizer: the plan's ``parallel.shard_optimizer``."""
+        return self.plan.parallel.shard_optimizer
 
     def describe(self) -> str:
         p = self.plan
@@ -80,6 +89,8 @@ class Candidate:
                          + ("+bwd" if self.overlap_backward else ""))
         if self.ep_overlap_1f1b:
             parts.append("1f1b-a2a-overlap")
+        if self.distributed_optimizer:
+            parts.append("zero1")
         mods = list(p.recompute.modules) + [m for m in self.assume_recompute if m not in p.recompute.modules]
         if p.parallel.ep > 1 and p.experts.apply_weights == "combine":
             parts.append("weights@combine")
@@ -348,15 +359,16 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
                       f"dense {human(dense_p)} params over dp={dp}, experts {human(expert_p)} over edp={edp}, "
                       f"{'reduce-scatter + all-gather' if cand.distributed_optimizer else 'all-reduce'}"
                       + (", overlapped with the last backward" if cand.grad_sync_overlap else "")))
-    params_rank = dense_p + expert_p
     # AdamW reads and writes the fp32 master and both states, reads the gradient, writes the parameter
     per_param = 2 * (4 + ADAMW_STATE_BYTES) + gbytes + profile.elem_bytes
-    opt_bytes = params_rank * per_param / (dp if cand.distributed_optimizer else 1)
+    opt_bytes = optimizer_params(profile, cand, G) * per_param
     terms.append(Term("optimizer", opt_bytes / cluster.memory_bandwidth,
-                      f"AdamW streams {human(opt_bytes, 'B')} at {human(cluster.memory_bandwidth, 'B/s')}"))
+                      f"AdamW streams {human(opt_bytes, 'B')} at {human(cluster.memory_bandwidth, 'B/s')}"
+                      + (f" (this rank's range: dense / dp={dp}, experts / edp={edp})" if cand.distributed_optimizer
+                         else "")))
 
     step = sum(t.value for t in terms if t.counted)
-    memory = _memory(profile, cluster, cand, params_rank)
+    memory = _memory(profile, cand, G)
     model_flops = (1 + BACKWARD_FACTOR) * profile.flops * global_batch / profile.micro_batch
     return Estimate(cand, cluster, global_batch, profile.seq_len, step, terms, memory, model_flops)
 
@@ -370,22 +382,57 @@ def params_per_rank(profile: ModelProfile, cand: Candidate) -> float:
     return profile.dense_params / (cand.tp * cand.pp) + profile.expert_params / (cand.ep * cand.pp)
 
 
-def static_memory(profile: ModelProfile, cand: Candidate) -> float:
-    """Bytes of parameters, gradients and optimizer state per rank (no activations)."""
-    return sum(t.value for t in _memory(profile, None, cand, params_per_rank(profile, cand)) if t.name != "activations")
+def dp_sizes(gpus: int, cand: Candidate) -> tuple[int, int]:
+    """(dp, edp): the ranks a dense parameter and an expert parameter are replicated over."""
+    return max(1, gpus // (cand.tp * cand.pp)), max(1, gpus // (cand.ep * cand.pp))
 
 
-def _memory(profile: ModelProfile, cluster: Cluster | None, cand: Candidate, params_rank: float) -> list[Term]:
+def optimizer_params(profile: ModelProfile, cand: Candidate, gpus: int) -> float:
+    """Parameter elements whose optimizer state one rank keeps and updates: all it holds, or with
+    ``parallel.shard_optimizer`` its range of them (dense / dp, experts / edp)."""
+    dense, experts = profile.dense_params / (cand.tp * cand.pp), profile.expert_params / (cand.ep * cand.pp)
+    if not cand.distributed_optimizer:
+        return dense + experts
+    dp, edp = dp_sizes(gpus, cand)
+    return dense / dp + experts / edp
+
+
+def per_param_bytes(profile: ModelProfile, cand: Candidate) -> tuple[float, float, str]:
+    """Bytes per parameter element besides the parameter: (the gradient, whole on every rank; the optimizer
+    state ZeRO-1 shards: AdamW's two states, and for a low-precision model the fp32 master and its grad), and how.
+
+    build_train_step keeps model-dtype gradient buckets and, for bf16, an fp32 copy as the master's .grad;
+    with fp32 gradients (``grad_bytes=4``, Megatron's main_grad) the gradient is the master's own.
+    """
     e = profile.elem_bytes
-    if profile.param_state_ratio is not None:
-        state, how = profile.param_state_ratio * e, "moecompile.memory estimator"
-    else:  # build_train_step: grads in the parameter dtype, fp32 master for a low-precision model, fp32 AdamW
-        master = 4 if e < 4 else 0
-        state = e + master + ADAMW_STATE_BYTES
-        how = f"grad {e} + fp32 master {master} + AdamW {ADAMW_STATE_BYTES}"
+    if profile.state_bytes is not None and cand.grad_bytes is None:
+        grad, state = profile.state_bytes
+        return grad, state, "fp32 masters, their grads and AdamW states, from the moecompile.memory estimator"
+    grad = cand.grad_bytes or e
+    master = 4 if e < 4 else 0
+    master_grad = master if grad < 4 else 0
+    return grad, master + master_grad + ADAMW_STATE_BYTES, (f"fp32 master {master} + its grad {master_grad} + "
+                                                             f"AdamW {ADAMW_STATE_BYTES}")
+
+
+def static_memory(profile: ModelProfile, cand: Candidate, gpus: int) -> float:
+    """Bytes of parameters, gradients and optimizer state per rank (no activations) on ``gpus`` GPUs."""
+    return sum(t.value for t in _memory(profile, cand, gpus) if t.name != "activations")
+
+
+def _memory(profile: ModelProfile, cand: Candidate, gpus: int) -> list[Term]:
+    e = profile.elem_bytes
+    params_rank = params_per_rank(profile, cand)
+    grad, state, how = per_param_bytes(profile, cand)
+    owned = optimizer_params(profile, cand, gpus)
+    where = "every parameter it holds"
+    if cand.distributed_optimizer:
+        dp, edp = dp_sizes(gpus, cand)
+        where = f"its range (zero1): dense / dp={dp}, experts / edp={edp}"
     act = profile.activation_bytes * cand.micro_batch / profile.micro_batch / cand.tp
     return [
         Term("params", params_rank * e, f"{human(params_rank)} elements x {e} B (experts / ep={cand.ep})"),
-        Term("grads+optimizer", params_rank * state, f"{state:g} B per parameter ({how})"),
+        Term("grads", params_rank * grad, f"{human(params_rank)} elements x {grad:g} B, whole on every rank"),
+        Term("optimizer", owned * state, f"{human(owned)} elements x {state:g} B ({how}), {where}"),
         Term("activations", act, f"kept for backward, micro-batch {cand.micro_batch} ({profile.memory_source})"),
     ]

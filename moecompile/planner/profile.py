@@ -91,7 +91,10 @@ class ModelProfile:
     layers: list[LayerProfile]  # base first
     plan: Any  # the moecompile Plan the graph was converted with
     memory_source: str
-    param_state_ratio: float | None = None  # (grads + optimizer) bytes per parameter byte (estimator); None: default
+    # bytes per parameter element besides the parameter, from the memory estimator (None: the cost model's
+    # AdamW default): (model-dtype gradient, whole on every rank; what parallel.shard_optimizer splits: the
+    # optimizer states, fp32 masters and their fp32 grads)
+    state_bytes: tuple[float, float] | None = None
     approximate: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
 
@@ -334,7 +337,7 @@ class Memory:
     total: float
     by_layer: dict[int | None, float] | None  # layer index -> bytes (None: outside the layers); None if unknown
     source: str
-    state_ratio: float | None  # (grads + optimizer) bytes per parameter byte; None if unknown
+    state_bytes: tuple[float, float] | None  # (gradient, shardable optimizer state) bytes per parameter element
 
 
 def measure_activations(result: Any, micro_batch: int) -> Memory:
@@ -346,7 +349,7 @@ def measure_activations(result: Any, micro_batch: int) -> Memory:
         return Memory(float(c.activation_bytes), None,
                       "moecompile.costs activation_bytes (moecompile.memory not available)", None)
     try:
-        est = estimate_memory(result, batch=micro_batch, by_pass=False)
+        est = estimate_memory(result, batch=micro_batch, by_pass=False, shard_optimizer=False)  # per element, whole
     except MoecompileError as e:  # e.g. a graph whose shapes depend on the data (expert parallelism)
         c = costs.graph_costs(result.history[-1].graph)
         return Memory(float(c.activation_bytes), None, f"moecompile.costs activation_bytes (the memory estimator "
@@ -355,7 +358,8 @@ def measure_activations(result: Any, micro_batch: int) -> Memory:
     for layer, cats in est.by_layer.items():
         idx = _layer_of(layer)
         by_layer[idx] = by_layer.get(idx, 0.0) + float(sum(cats.values()))
-    state = (est.grads + est.optimizer) / est.params if est.params else None
+    n = sum(p.numel() for p in dict(result.module.named_parameters()).values())
+    state = ((est.grads - est.master_grads) / n, (est.optimizer + est.masters + est.master_grads) / n) if n else None
     return Memory(float(est.activations), by_layer, "moecompile.memory.estimate_memory", state)
 
 
@@ -434,7 +438,7 @@ def _profile_cached(key: str, seq_len: int, micro_batch: int, sections: str) -> 
     approx = costs.graph_costs(p1.history[-1].graph).approximate
     notes = [f"traced {traced} on the meta device; scaled to {arch.n_moe} MoE + {arch.n_dense} dense layers"]
     return ModelProfile(spec.get("name", config.model_type), seq_len, micro_batch, config.hidden_size,
-                        experts.num_experts, experts.top_k, elem, layers, p1.plan, m1.source, m1.state_ratio, approx,
+                        experts.num_experts, experts.top_k, elem, layers, p1.plan, m1.source, m1.state_bytes, approx,
                         notes)
 
 
@@ -491,7 +495,7 @@ def profile_result(result: Any) -> ModelProfile:
     name = experts_param(result)
     hidden = result.module.get_parameter(name).shape[-1] if name else 0
     return ModelProfile(type(result.module).__name__, int(seq_len), int(micro_batch), int(hidden), experts.num_experts,
-                        experts.top_k, elem, layers, result.plan, mem.source, mem.state_ratio,
+                        experts.top_k, elem, layers, result.plan, mem.source, mem.state_bytes,
                         costs.graph_costs(result.history[-1].graph).approximate,
                         [f"profiled the converted graph as is (ep={ep})"])
 

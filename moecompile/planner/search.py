@@ -8,6 +8,8 @@ Legal means: ``ep`` divides both the number of experts and the GPUs, every rank 
 micro-batches of whole sequences, and the ``Plan`` built from the choice validates. An illegal
 combination is never produced; the EP sizes left out are listed in ``skipped`` with the reason.
 A plan that does not fit in memory is kept in ``rejected`` with its memory breakdown.
+``parallel.shard_optimizer`` (ZeRO-1) is tried on and off on more than one GPU: it does not change
+the graph (no variant is traced for it), only the optimizer's memory and update time.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ class SearchSpace:
     # time (activation sends each row's weight with it, combine keeps an [N, H] more for backward);
     # elsewhere "auto" only: equal time, and activation keeps less
     weight_placements: tuple[str, ...] = ("auto", "combine")
+    # parallel.shard_optimizer tried on more than one GPU (on one it changes nothing: off only)
+    shard_optimizer: tuple[bool, ...] = (False, True)
     notes: tuple[str, ...] = ()
 
     @classmethod
@@ -69,6 +73,9 @@ class SearchSpace:
             fields["fp8_recipes"] = FP8_RECIPES
         else:
             notes.append("fp8 pass not registered: every GEMM stays in the model dtype")
+        if "shard_optimizer" not in {f.name for f in dataclasses.fields(Plan().parallel)}:
+            fields["shard_optimizer"] = (False,)
+            notes.append("parallel.shard_optimizer not in the plan: the optimizer state is priced whole on every rank")
         fields.update(overrides)
         return cls(notes=tuple(notes), **fields)
 
@@ -99,6 +106,8 @@ def _plan_dict(base: dict, experts: dict, ep: int, dispatcher: str, mode: str, c
         plan["experts"]["apply_weights"] = weights
     plan["parallel"] = {**plan.get("parallel", {}), "ep": ep, "dispatcher": dispatcher, "dispatch_mode": mode,
                         "capacity_factor": cf if mode == "static" else None}
+    if "shard_optimizer" in plan["parallel"]:
+        plan["parallel"]["shard_optimizer"] = False  # searched: enumerate_candidates adds the sharded twin
     if recompute or "recompute" in plan:
         plan["recompute"] = {**plan.get("recompute", {}), "modules": list(recompute)}
     if fp8 != "none" or "fp8" in plan:
@@ -134,6 +143,8 @@ def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, spa
         skipped.append(f"overlap chunks {list(overlap_chunks)}: Plan has no 'overlap' section to hold them")
         overlap_chunks = ()
     placements = space.weight_placements if experts.get("apply_weights", "auto") == "auto" else (None,)
+    shard_opts = space.shard_optimizer if G > 1 else (False,)
+    sharded: dict[Any, Any] = {}  # one validated sharded parallel section per distinct unsharded one
     out: list[Candidate] = []
     ruled_out: dict[str, list[str]] = {}
     for ep in eps:
@@ -154,9 +165,17 @@ def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, spa
                     ruled_out[str(e)].append(combo)
                 continue
             ov = getattr(plan, "overlap", None)
-            out.append(Candidate(plan, micro_batch=mb, overlap_chunks=chunks,
-                                 overlap_shared=bool(chunks and ov is not None and ov.shared_expert),
-                                 overlap_backward=bool(chunks and ov is not None and ov.backward)))
+            for shard in shard_opts:
+                if shard:  # the same plan with parallel.shard_optimizer (Plan.replace validates it again)
+                    if plan.parallel not in sharded:
+                        sharded[plan.parallel] = dataclasses.replace(plan.parallel, shard_optimizer=True)
+                    par = sharded[plan.parallel]
+                    plan_s = plan.replace(parallel=par)
+                else:
+                    plan_s = plan
+                out.append(Candidate(plan_s, micro_batch=mb, overlap_chunks=chunks,
+                                     overlap_shared=bool(chunks and ov is not None and ov.shared_expert),
+                                     overlap_backward=bool(chunks and ov is not None and ov.backward)))
     skipped += [f"{', '.join(combos)}: {why}" for why, combos in ruled_out.items()]
     return out, skipped
 
@@ -237,15 +256,16 @@ def search(profile_for: Callable[[Candidate], ModelProfile], experts: dict, clus
     rejected: list[tuple[Estimate, str]] = []
     profile = baseline
     failed: dict[str, list[str]] = {}
-    pruned: set[tuple[int, int]] = set()
+    pruned: set[tuple[int, int, bool]] = set()
     n_pruned = 0
     for cand in cands:
-        if baseline is not None and static_memory(baseline, cand) > cluster.usable_memory:
+        if baseline is not None and static_memory(baseline, cand, cluster.gpus) > cluster.usable_memory:
             n_pruned += 1
-            if (cand.ep, cand.micro_batch) not in pruned:  # one representative per EP size and micro-batch
-                pruned.add((cand.ep, cand.micro_batch))
+            key = (cand.ep, cand.micro_batch, cand.distributed_optimizer)
+            if key not in pruned:  # one representative per EP size, micro-batch and optimizer sharding
+                pruned.add(key)
                 est = estimate(baseline, cluster, cand, global_batch)
-                static = static_memory(baseline, cand)
+                static = static_memory(baseline, cand, cluster.gpus)
                 rejected.append((est, f"parameters, gradients and optimizer state alone need {static / 2**30:.1f} GiB "
                                       f"per GPU > {cluster.usable_memory / 2**30:.1f} GiB usable, before activations "
                                       f"({est.misfit_reason().split(': ', 1)[1]})"))
@@ -277,13 +297,13 @@ TIE = 0.002  # step times within 0.2% are a tie: the model is not that precise
 
 def _rank_key(est: Estimate) -> tuple:
     """Fastest first; on a tie prefer dropless (no drops), the weights in the activation (less memory), fewer
-    chunks, no recompute, no FP8, larger micro-batch."""
+    chunks, no recompute, no FP8, an unsharded optimizer (any torch optimizer runs), larger micro-batch."""
     import math
 
     c = est.candidate
     return (math.floor(math.log(max(est.step_s, 1e-12)) / math.log1p(TIE)), c.plan.parallel.dispatch_mode != "dropless",
             c.plan.experts.apply_weights == "combine", c.overlap_chunks, len(c.plan.recompute.modules),
-            c.plan.fp8.enabled, -c.micro_batch, est.step_s)
+            c.plan.fp8.enabled, c.distributed_optimizer, -c.micro_batch, est.step_s)
 
 
 def iter_sections(cand: Candidate) -> dict:
