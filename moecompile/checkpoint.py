@@ -14,6 +14,10 @@ Layout (keys of the DCP state dict)::
 
 Rank r at expert-parallel size ep holds experts [r*E/ep, (r+1)*E/ep); it writes and reads
 exactly those ``#e`` keys, which is what makes an ep=2 checkpoint load at ep=1 or ep=4.
+Under ``parallel.shard_optimizer`` a rank holds a range of each trainable tensor's master and
+optimizer state; it writes and reads that range as chunks of the same keys, in the same shapes
+(moecompile.checkpoint_shards), so sharded and unsharded runs at any size load each other's
+checkpoints, and each tensor's CRC-32 is combined from its ranks' parts.
 
 Crash safety: a save goes to ``<path>.tmp``; only a complete one is renamed over ``<path>``
 (the previous checkpoint is moved to ``<path>.prev`` for that instant, and ``load`` falls back

@@ -13,6 +13,10 @@ One call runs::
     -> optional clipping by the global norm  ->  optimizer step  (fp32 master weights if the
     model is bf16)  ->  expert-bias update from the global per-expert load  ->  metrics
 
+With ``parallel.shard_optimizer`` (ZeRO-1) the all-reduce becomes a reduce-scatter, the optimizer
+updates this rank's range of each bucket (its state and masters exist for that range only), and
+an all-gather of the parameters follows it (moecompile.grad_sync, moecompile.optimizer).
+
 A batch of M times the batch the graph was traced at runs as M micro-batches (gradient
 accumulation: each backward adds 1/M of its loss into the buckets, synced once; router losses
 are per micro-batch). Metrics are reduced over the data-parallel group in one small
@@ -281,6 +285,13 @@ class TrainStep:
             grad_norm=norm, micro_batches=self.parts,
         )
 
+    def optimizer_bytes(self) -> int:
+        """Bytes this rank keeps for the optimizer: its state tensors (built by the first step) and fp32 masters."""
+        state = {id(t): t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
+                 if isinstance(t, torch.Tensor) and t.dim() > 0}
+        masters = {id(u.tensor): u.tensor.numel() * u.tensor.element_size() for u in self.updates if u.is_copy}
+        return sum(state.values()) + sum(masters.values())
+
     # ------------------------------------------------------------------ state
 
     def save(self, path: str) -> None:
@@ -367,7 +378,9 @@ def build_train_step(
     """The training step for a ``convert`` result.
 
     ``optimizer``: a factory ``params -> torch.optim.Optimizer`` (default AdamW, lr 1e-3); the
-    step builds the optimizer over the parameters it owns (fp32 masters for a bf16 model).
+    step builds the optimizer over the parameters it owns (fp32 masters for a bf16 model; under
+    ``parallel.shard_optimizer`` it is called on the parameters, and its param groups then hold
+    this rank's parts of them, so it must be elementwise: SGD, Adam, AdamW, ...).
     ``loss_fn(output, targets)``: default next-token cross-entropy on ``output.logits``.
     Options: ``world`` (default: the one ``convert`` used), ``clip_grad_norm``, ``precision``
     ("fp32" | "bf16"; default bf16 on CUDA, fp32 on CPU), ``bucket_mb`` (gradient bucket size),

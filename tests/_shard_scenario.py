@@ -44,13 +44,6 @@ def make_step(world_size: int, ep: int, shard: bool, dtype: str | None = None) -
     return result, mc.build_train_step(result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.05)
 
 
-def optimizer_bytes(step: Any) -> int:
-    """Bytes this rank keeps for the optimizer: its state tensors and the fp32 masters."""
-    state = sum(t.numel() * t.element_size() for s in step.optimizer.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor) and t.dim() > 0)
-    return state + sum(t.numel() * t.element_size() for t in step.masters.values())
-
-
 def _train(step: Any, rank: int, world_size: int, first: int, count: int) -> list[dict]:
     stream = data()
     out = []
@@ -66,7 +59,7 @@ def _compare(rank: int, world_size: int, ep: int, dtype: str | None) -> dict:
         result, step = make_step(world_size, ep, shard, dtype)
         metrics = _train(step, rank, world_size, 0, STEPS)
         out[shard] = {
-            "metrics": metrics, "bytes": optimizer_bytes(step), "collectives": step.buckets.collectives_per_step(),
+            "metrics": metrics, "bytes": step.optimizer_bytes(), "collectives": step.buckets.collectives_per_step(),
             "params": {n: p.detach().float().clone() for n, p in result.module.named_parameters()},
             "misaligned": [n for b in step.buckets.buckets if b.shards > 1 for n, p in zip(b.names, b.params)
                            if (p.data_ptr() - b.param_flat.data_ptr()) % 256],  # the buffer: CPU aligns to 64

@@ -24,17 +24,19 @@ def moecompile(*args: str, cwd, timeout: float = 300) -> subprocess.CompletedPro
 @pytest.mark.distributed
 def test_train_five_steps_on_two_ranks_then_resume_on_one(tmp_path):
     out = tmp_path / "run"
-    proc = moecompile("train", "--steps", "5", *FAST, "--out", str(out), cwd=tmp_path)
+    proc = moecompile("train", "--steps", "5", *FAST, "--out", str(out), "--set", "parallel.shard_optimizer=true",
+                      cwd=tmp_path)
     text = proc.stdout
     assert "8 experts top-2" in text and "ep=2 over 2 rank(s)" in text, text
     lines = re.findall(r"step +(\d+) +loss ([\d.]+) .* load L0 \[([\d, ]+)\]", text)
     assert [int(s) for s, _, _ in lines] == [1, 2, 3, 4, 5], text
     assert all(sum(int(v) for v in load.split(",")) == 4 * 16 * 2 for _, _, load in lines)  # global load, top-2
     assert "summary" in text and "tokens/s" in text and "load balance" in text
+    assert re.search(r"optimizer +[\d.]+ MiB of AdamW state on rank 0, sharded over the ranks", text), text
     meta = json.loads((out / "checkpoint" / "moecompile.json").read_text())
     assert meta["step"] == 5 and meta["ep"] == 2 and meta["world_size"] == 2
     assert (out / "plan.yaml").exists()
-    # the ep=2 checkpoint resumes in one process (ep=1): two more steps, from step 5
+    # the ep=2 checkpoint (optimizer sharded) resumes in one process (ep=1): two more steps, from step 5
     # ... as 2 micro-batches of 2 sequences a step (the graph traced at 2, gradients accumulated)
     proc = moecompile("train", "--steps", "7", *FAST, "--out", str(out), "--resume", "--nproc", "1",
                       "--micro-batch", "2", cwd=tmp_path)

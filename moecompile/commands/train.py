@@ -235,6 +235,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
     s.step.save(ckpt)
     val = _held_out_loss(s, held_out, rank, world_size)
     summary = _summary(history, seconds, val, ckpt)
+    summary["optimizer"] = _optimizer_line(s.step, world_size)
     if args.export_hf:
         from ..export_hf import arch_for, export_hf
 
@@ -302,6 +303,13 @@ def _held_out_loss(s: _Setup, data: Any, rank: int, world_size: int, batches: in
     return float(total) / (batches * world_size)
 
 
+def _optimizer_line(step: Any, world_size: int) -> str:
+    what = "state + fp32 masters" if step.masters else "state"
+    how = ("sharded over the ranks (parallel.shard_optimizer)" if step.sharded else
+           "replicated" + ("; --set parallel.shard_optimizer=true shards it" if world_size > 1 else ""))
+    return f"{step.optimizer_bytes() / 2**20:.2f} MiB of {type(step.optimizer).__name__} {what} on rank 0, {how}"
+
+
 def _summary(history: list[Any], seconds: float, val: float, ckpt: Path) -> dict[str, Any]:
     if not history:
         return {"steps": 0, "checkpoint": str(ckpt), "held_out_loss": val}
@@ -333,6 +341,8 @@ def _format_summary(s: dict[str, Any]) -> str:
         f"  load balance     max/mean expert load {balance} (1.00 is perfect)",
         f"  checkpoint       {s['checkpoint']}",
     ]
+    if "optimizer" in s:
+        lines.insert(-1, f"  optimizer        {s['optimizer']}")
     if "exported" in s:
         lines.append(f"  exported         {s['exported']}")
     return "\n".join(lines)
