@@ -411,11 +411,12 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
 
     ``shard_optimizer`` (None: ``plan.parallel.shard_optimizer``): ZeRO-1, the optimizer states,
     masters and the masters' grads are this rank's range only: dense parameters' over ``dp`` ranks,
-    experts' over ``edp = dp / ep`` (parameters and model-dtype grads stay whole). ``dp``: the
-    data-parallel world size of the run to estimate; None takes the result's world (1 for a
-    single-process conversion, where sharding changes nothing). A single-process ``ep=1``
-    conversion holds what every rank of an ``ep=1`` run holds, so ``dp=4`` estimates one rank of
-    4; for ``ep > 1`` convert under the world (or a fake process group) so the graph holds E/ep experts.
+    experts' over ``edp = dp / ep``; parameters and model-dtype grads stay whole (build_train_step's
+    ranges also hold alignment padding: within 2 % on a tiny model). ``dp``: the data-parallel world
+    size of the run to estimate; None takes the result's world (1 for a single-process conversion,
+    where sharding changes nothing). A single-process ``ep=1`` conversion holds what every rank of an
+    ``ep=1`` run holds, so ``dp=4`` estimates one rank of 4; for ``ep > 1`` convert under the world
+    (or a fake process group) so the graph holds E/ep experts.
     """
     if optimizer not in _OPTIMIZER_STATES:
         raise MoecompileError(f"estimate_memory: optimizer {optimizer!r} unknown; use one of {', '.join(_OPTIMIZER_STATES)}")

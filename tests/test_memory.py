@@ -221,3 +221,19 @@ def test_sharded_optimizer_splits_dense_over_dp_and_experts_over_edp(model, batc
     assert whole.optimizer == 2 * 4 * (dense + expert)
     with pytest.raises(mc.MoecompileError, match="multiple of parallel.ep=2"):
         mc.estimate_memory(result, by_pass=False, dp=3)
+
+
+def test_sharded_estimate_matches_what_the_training_step_keeps(batch, fake_world4):
+    """build_train_step under the same 4-rank world: its optimizer states + fp32 masters, and the masters' grads."""
+    model = tiny_hf("llama").to(torch.bfloat16)
+    result = mc.convert(model, {"experts": EXPERTS, "parallel": {"ep": 2, "shard_optimizer": True}}, (batch,))
+    est = mc.estimate_memory(result, by_pass=False)
+    step = mc.build_train_step(result, keep_host_memory=False)
+    step(batch, batch)  # AdamW builds its states in the first step (the fake group moves no data)
+    kept = step.optimizer_bytes()
+    master_grads = sum(u.tensor.grad.numel() * 4 for u in step.updates if u.is_copy)
+    whole = mc.estimate_memory(result, by_pass=False, shard_optimizer=False)
+    assert kept < 0.6 * (whole.optimizer + whole.masters)  # sharded for real
+    # equal up to the ranges' alignment padding (each parameter starts 256 B-aligned in its bucket)
+    assert abs(est.optimizer + est.masters - kept) / kept < 0.02, (est.optimizer + est.masters, kept)
+    assert abs(est.master_grads - master_grads) / master_grads < 0.02, (est.master_grads, master_grads)
