@@ -19,10 +19,12 @@ import torch
 
 from _ep_scenario import GLOBAL_BATCH, SEQ, data
 from _spawn import run
+from moecompile.grad_sync import _is_gloo
 
 STEPS = 3
 EXPERTS = {"num_experts": 4, "top_k": 2, "z_loss_coeff": 1e-3, "router_noise": 0.02}
-SETTINGS = {"dp2": (1, None), "ep2": (2, None), "dp2_bf16": (1, "bfloat16")}  # name: (ep, dtype)
+# name: (ep, dtype); "nccl_forms" runs the reduce-scatter / all-gather a GPU runs (gloo gets exchanges instead)
+SETTINGS = {"dp2": (1, None), "ep2": (2, None), "dp2_bf16": (1, "bfloat16"), "nccl_forms": (1, None)}
 
 
 def grouped_adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -70,7 +72,20 @@ def _compare(rank: int, world_size: int, ep: int, dtype: str | None) -> dict:
 
 
 def two_ranks_worker(rank: int, world_size: int, out: str) -> dict:
-    res = {name: _compare(rank, world_size, ep, dtype) for name, (ep, dtype) in SETTINGS.items()}
+    import torch.distributed as dist
+
+    import moecompile.grad_sync as grad_sync
+
+    calls = []
+    reduce_scatter = dist.reduce_scatter_single
+    dist.reduce_scatter_single = lambda *a, **k: calls.append(1) or reduce_scatter(*a, **k)
+    res = {}
+    for name, (ep, dtype) in SETTINGS.items():
+        grad_sync._is_gloo = (lambda group: False) if name == "nccl_forms" else _is_gloo
+        calls.clear()
+        res[name] = _compare(rank, world_size, ep, dtype)
+        res[name]["reduce_scatters"] = len(calls)
+    grad_sync._is_gloo, dist.reduce_scatter_single = _is_gloo, reduce_scatter
     _, step = make_step(world_size, 2, True)
     _train(step, rank, world_size, 0, STEPS)
     step.save(Path(out) / "ckpt")

@@ -124,7 +124,7 @@ def _assert_same_training(unsharded: dict, sharded_: dict) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("setting", ["dp2", "ep2", "dp2_bf16"])
+@pytest.mark.parametrize("setting", ["dp2", "ep2", "dp2_bf16", "nccl_forms"])
 def test_two_ranks_train_the_same_and_keep_half_the_optimizer(setting):
     from _shard_scenario import two_ranks
 
@@ -140,6 +140,8 @@ def test_two_ranks_train_the_same_and_keep_half_the_optimizer(setting):
         assert sum(mine) == full and max(mine) <= full // 2 + 4096  # halves, up to one aligned run
     # a reduce-scatter and an all-gather per sharded bucket, in place of one all-reduce
     assert ranks[0][setting][True]["collectives"] > ranks[0][setting][False]["collectives"]
+    # gloo reduce-scatters by an all-to-all exchange; NCCL (emulated here) by its own reduce_scatter
+    assert (ranks[0][setting]["reduce_scatters"] > 0) == (setting == "nccl_forms")
 
 
 @pytest.mark.distributed

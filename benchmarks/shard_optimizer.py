@@ -1,0 +1,150 @@
+"""The optimizer's memory per rank, and the step's time, with and without sharding (ZeRO-1), on N CPU ranks.
+
+    python benchmarks/shard_optimizer.py [--nproc 2] [--model small-llama] [--batch 8] [--seq 128]
+                                         [--steps 5] [--warmup 2] [--rounds 2]
+
+The zoo's model upcycled to 8 experts top-2 (fp32, AdamW, dropless, no aux loss), trained on N
+gloo ranks of batch / N sequences each, pure data parallelism (every rank holds every expert, so
+all of the optimizer can shard), the variants taking turns step by step in one process group:
+
+- ``moecompile``: ``build_train_step``, bucketed all-reduce, the optimizer replicated;
+- ``moecompile_zero1``: the same with ``parallel.shard_optimizer`` (reduce-scatter, this rank's
+  range of AdamW state, all-gather);
+- ``moecompile_epN_zero1``: experts sharded N ways (ep = N) and the dense optimizer state too;
+- ``hf_ddp``: the converted model exported and loaded as Hugging Face's Mixtral (``grouped_mm``
+  experts), wrapped in ``DistributedDataParallel`` with AdamW: the loop a user writes by hand;
+- ``hf_ddp_zero``: the same with torch's ``ZeroRedundancyOptimizer`` over AdamW (whole
+  parameters per rank): the library peer a user would pick to shard the optimizer.
+
+Per variant: the largest rank's optimizer bytes (state tensors, + fp32 masters where there are
+any), the step time (a step ends with its slowest rank; median over every timed step of every
+round) and the global mean loss of the first and last step, which must agree across the rows
+that train the same function (all but the ep row, which only reorders the sums).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+EXPERTS = {"num_experts": 8, "top_k": 2, "aux_loss": "none"}
+
+
+def _variants(n: int) -> tuple[str, ...]:
+    return ("moecompile", "moecompile_zero1", f"moecompile_ep{n}_zero1", "hf_ddp", "hf_ddp_zero")
+
+
+def _build(variant: str, args: Any, rank: int, world: int, x: torch.Tensor) -> tuple[Callable, Callable[[], int]]:
+    """A step ``(x, y) -> global mean lm loss`` and a function giving this rank's optimizer bytes."""
+    import moecompile as mc
+    from moecompile import distributed
+    from moecompile.models import build_model
+
+    ep = world if variant.startswith("moecompile_ep") else 1
+    plan = mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": ep, "shard_optimizer": "zero" in variant}})
+    world_obj = distributed.world_from_plan(plan)
+    dense, _ = build_model(args.model, batch_size=x.shape[0], seq_len=x.shape[1], seed=0)
+    result = mc.convert(dense, plan, (x,), world=world_obj)
+    if variant.startswith("moecompile"):
+        step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), precision="fp32",
+                                   world=world_obj)
+        return (lambda x, y: step(x, y).lm_loss), step.optimizer_bytes
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import AutoModelForCausalLM
+
+    from moecompile.export_hf import export_hf
+    from moecompile.models import quiet_transformers
+
+    path = f"{args.tmp}/{variant}"  # every rank takes part in the export; rank 0 writes, all read
+    with quiet_transformers():
+        export_hf(result, path, arch="mixtral", config=dense.config, world=world_obj)
+        dist.barrier()
+        hf = AutoModelForCausalLM.from_pretrained(path, experts_implementation="grouped_mm", dtype=torch.float32)
+    model = DistributedDataParallel(hf.train())
+    if variant == "hf_ddp_zero":
+        opt: Any = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+        local = opt.optim
+    else:
+        opt = local = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> float:
+        logits = model(x).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        return mean.item() / world
+
+    def optimizer_bytes() -> int:
+        return sum(t.numel() * t.element_size() for s in local.state.values() for t in s.values()
+                   if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+    return step, optimizer_bytes
+
+
+def _measure(rank: int, world: int, args: Any) -> dict[str, dict[str, Any]]:
+    from moecompile.host_memory import keep_freed_memory
+
+    keep_freed_memory()  # every variant on the same malloc, as build_train_step sets it
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 1024, (args.batch, args.seq + 1), generator=g).chunk(world)[rank]
+    x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+    built = {v: _build(v, args, rank, world, x) for v in _variants(world)}
+    out = {v: {"times": [], "losses": []} for v in built}
+    for _ in range(args.warmup + args.steps):
+        for v, (step, _) in built.items():
+            dist.barrier()
+            start = time.perf_counter()
+            out[v]["losses"].append(step(x, y))
+            out[v]["times"].append(time.perf_counter() - start)
+    for v, (_, nbytes) in built.items():
+        out[v]["bytes"] = nbytes()
+        out[v]["times"] = out[v]["times"][args.warmup:]
+    return out
+
+
+def main() -> None:
+    from moecompile.planner.microbench import run_ranks, threads_per_rank
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--model", default="small-llama")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="fresh process groups")
+    a = ap.parse_args()
+    import tempfile
+
+    a.tmp = tempfile.mkdtemp(prefix="moecompile-zero-bench-")
+    times: dict[str, list[float]] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    for _ in range(a.rounds):
+        ranks = run_ranks(_measure, a.nproc, (a,), threads=threads_per_rank(a.nproc), timeout_s=3600)
+        for v in ranks[0]:
+            times.setdefault(v, []).extend(max(t) for t in zip(*(r[v]["times"] for r in ranks)))
+            rows[v] = {"bytes": max(r[v]["bytes"] for r in ranks), "losses": ranks[0][v]["losses"]}
+    base = rows["moecompile"]["bytes"]
+    fastest_hf = min(statistics.median(times[v]) for v in times if v.startswith("hf_"))
+    print(f"{a.model} E{EXPERTS['num_experts']} top-{EXPERTS['top_k']}, fp32 AdamW, {a.nproc} gloo ranks, global batch "
+          f"{a.batch} x {a.seq}; median of {a.rounds} x {a.steps} steps after {a.warmup} warm-up, variants in turn")
+    print(f"{'variant':<24}{'optimizer MiB/rank':>19}{'vs replicated':>14}{'ms/step':>9}{'vs fastest HF':>14}"
+          "  loss first -> last")
+    for v, r in rows.items():
+        ms = statistics.median(times[v])
+        print(f"{v:<24}{r['bytes'] / 2**20:>19.2f}{r['bytes'] / base:>13.3f}x{ms * 1e3:>9.1f}{fastest_hf / ms:>13.2f}x"
+              f"  {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
+
+
+if __name__ == "__main__":
+    main()
