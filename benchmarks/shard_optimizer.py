@@ -2,6 +2,11 @@
 
     python benchmarks/shard_optimizer.py [--nproc 2] [--model small-llama] [--batch 8] [--seq 128]
                                          [--steps 5] [--warmup 2] [--rounds 2]
+    python benchmarks/shard_optimizer.py --collectives [--nproc 2]
+
+``--collectives`` times, per bucket size, the ways a sharded bucket can be synced on gloo: an
+all-reduce (the unsharded step's), torch's reduce_scatter_single and all_gather_single, and the
+forms moecompile.grad_sync uses on gloo (an all-to-all plus a local sum; a broadcast from each owner).
 
 The zoo's model upcycled to 8 experts top-2 (fp32, AdamW, dropless, no aux loss), trained on N
 gloo ranks of batch / N sequences each, pure data parallelism (every rank holds every expert, so
@@ -112,6 +117,38 @@ def _measure(rank: int, world: int, args: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _collectives(rank: int, world: int, calls: int) -> dict[str, float]:
+    """Mean ms per call of each way to sync one bucket, at 1, 25 and 70 MiB of fp32."""
+    out = {}
+    for mib in (1, 25, 70):
+        n = mib * 2**20 // 4 // world * world
+        x, received, size = torch.randn(n), torch.empty(n), n // world
+        mine = slice(rank * size, (rank + 1) * size)
+
+        def exchange() -> None:
+            dist.all_to_all_single(received, x)
+            torch.sum(received.view(world, size), dim=0, out=x[mine])
+
+        def broadcasts() -> None:
+            for h in [dist.broadcast(x[k * size : (k + 1) * size], group_src=k, async_op=True) for k in range(world)]:
+                h.wait()
+
+        forms = {"all_reduce": lambda: dist.all_reduce(x),
+                 "reduce_scatter_single": lambda: dist.reduce_scatter_single(x[mine], x),
+                 "all_to_all + sum": exchange,
+                 "all_gather_single": lambda: dist.all_gather_single(x, x[mine]),
+                 "broadcast from each": broadcasts}
+        for name, fn in forms.items():
+            fn()
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            dist.barrier()
+            out[f"{mib:>3} MiB  {name}"] = (time.perf_counter() - start) / calls * 1e3
+    return out
+
+
 def main() -> None:
     from moecompile.planner.microbench import run_ranks, threads_per_rank
 
@@ -123,7 +160,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2, help="fresh process groups")
+    ap.add_argument("--collectives", action="store_true", help="time the gloo forms of a sharded bucket's sync")
     a = ap.parse_args()
+    if a.collectives:
+        ranks = run_ranks(_collectives, a.nproc, (5,), threads=1, timeout_s=1800)
+        print(f"gloo, {a.nproc} ranks, 1 thread each, mean of 5 calls (the slowest rank's)")
+        for key in ranks[0]:
+            print(f"{key:<36}{max(r[key] for r in ranks):8.1f} ms")
+        return
     import tempfile
 
     a.tmp = tempfile.mkdtemp(prefix="moecompile-zero-bench-")

@@ -253,8 +253,8 @@ class GradBuckets:
     def gather_params(self) -> None:
         """Sharded buckets: every rank's updated range of the parameters, to every rank (all-gather).
 
-        On gloo, as one broadcast from each range's owner: gloo's all_gather_single measured 3-4x
-        slower than the broadcasts moving the same bytes (2 ranks, 25-70 MB, loopback).
+        On gloo, as one broadcast from each range's owner: gloo's all_gather_single took 2-5x as long
+        as these broadcasts (2 ranks, 1-70 MiB; benchmarks/shard_optimizer.py --collectives).
         """
         handles = []
         for b in self.buckets:
@@ -272,8 +272,8 @@ class GradBuckets:
     def _reduce_scatter_by_exchange(self, b: Bucket) -> None:
         """gloo: reduce-scatter as one all-to-all and a local sum of the d ranges received.
 
-        gloo's reduce_scatter_single measured ~2x its all-reduce and ~3x this (2 ranks, 25-70 MB,
-        loopback). The receive buffer is one bucket, kept for the next bucket and step.
+        gloo's reduce_scatter_single took 1.2-1.6x its all-reduce of the bucket and 2.4-5x this (2 ranks,
+        1-70 MiB; benchmarks/shard_optimizer.py --collectives). The receive buffer is one bucket, kept.
         """
         if self._scratch is None or self._scratch.numel() < b.flat.numel() or self._scratch.dtype != b.flat.dtype:
             self._scratch = torch.empty(max(x.flat.numel() for x in self.buckets if x.flat.dtype == b.flat.dtype),
