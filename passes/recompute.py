@@ -238,10 +238,26 @@ def choose(g: _Graph, candidates: list[Region], budget: int) -> tuple[list[Regio
 
 
 def _recomputable(r: Region) -> bool:
-    """No collectives (every rank would have to re-run them in step) and no in-place ops."""
-    return not any(
-        collective_kind(n) is not None or getattr(getattr(n.target, "_schema", None), "is_mutable", False) for n in r.nodes
-    )
+    """No collectives (every rank would have to re-run them in step) and no in-place op on a tensor from
+    outside the region (a rerun would write it again); a tensor the region allocates and fills in place
+    (DeepSeek-V3's attention writes its query halves into a new_empty) is allocated again by the rerun."""
+    return not any(collective_kind(n) is not None or any(t not in r.nodes for t in _written(n)) for n in r.nodes)
+
+
+def _written(n: fx.Node) -> list[fx.Node]:
+    """The tensors an in-place op writes, each traced back through the views it was reached by."""
+    schema = getattr(n.target, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        t = n.args[i] if i < len(n.args) else n.kwargs.get(arg.name)
+        while isinstance(t, fx.Node) and t.op == "call_function" and getattr(t.target, "is_view", False):
+            t = t.args[0]
+        out.append(t)
+    return out
 
 
 def _label(regions: list[Region]) -> str:

@@ -217,3 +217,47 @@ def test_moe_act_on_deepseek_v3_like_model_keeps_gradients(batch):
     assert grads.keys() == grads0.keys() and any(".experts." in k for k in grads)
     for k in grads0:
         assert torch.equal(grads[k], grads0[k]), k
+
+
+def test_attention_that_fills_its_own_buffer_in_place_recomputes(batch):
+    """DeepSeek-V3's MLA writes its query / key halves into a new_empty with copy_: the region allocates
+    what it writes, so it recomputes (it used to be refused as "an in-place op"), bit-identically."""
+    model = _deepseek_v3()
+    experts = {"num_experts": 4, "top_k": 2, "shared_experts": 1, "score": "sigmoid", "expert_bias": True,
+               "adopt": False}
+    runs = {}
+    for name, rc in (("keep", {}), ("attention", {"modules": ["attention"]})):
+        result = mc.convert(model, {"experts": experts, "recompute": rc}, (batch,))
+        result.module.zero_grad(set_to_none=True)
+        logits = result.module(batch).logits
+        F.cross_entropy(logits[:, :-1].reshape(-1, 128), batch[:, 1:].reshape(-1)).backward()
+        runs[name] = result, logits.detach(), {k: p.grad.clone() for k, p in result.module.named_parameters()
+                                               if p.grad is not None}
+    result, logits, grads = runs["attention"]
+    regions = _regions(result)
+    assert len(regions) == model.config.num_hidden_layers  # every layer's attention
+    assert all(any(n.target is torch.ops.aten.copy_.default for n in m.recompute.graph.nodes) for m in regions.values())
+    assert mc.estimate_memory(result, by_pass=False).activations < \
+        mc.estimate_memory(runs["keep"][0], by_pass=False).activations
+    _, logits0, grads0 = runs["keep"]
+    assert torch.equal(logits, logits0)
+    for k in grads0:
+        assert torch.equal(grads[k], grads0[k]), k
+
+
+def test_an_in_place_write_to_a_tensor_from_outside_the_region_is_refused():
+    """Rerunning a region that writes into its input would apply the write twice."""
+    import torch.fx as fx
+
+    from moecompile.passes.recompute import Region, _recomputable
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    own = g.call_function(torch.ops.aten.new_empty.default, (x, [4]))
+    own_half = g.call_function(torch.ops.aten.slice.Tensor, (own, 0, 0, 2))
+    g.call_function(torch.ops.aten.copy_.default, (own_half, x))
+    input_half = g.call_function(torch.ops.aten.slice.Tensor, (x, 0, 0, 2))
+    fill_input = g.call_function(torch.ops.aten.add_.Tensor, (input_half, 1))
+    region = {n for n in g.nodes if n.op == "call_function"}
+    assert _recomputable(Region("attention", "a", region - {fill_input, input_half}))
+    assert not _recomputable(Region("attention", "a", region))
