@@ -95,11 +95,21 @@ class Bucket:
     shards: int = 1  # ranks the bucket is split over (1: every rank updates all of it)
     rank: int = 0  # this rank's range, when sharded
     param_flat: torch.Tensor | None = None  # sharded: the parameters' storage, laid out as flat
+    grad: torch.Tensor | None = None  # gradients sharded (ZeRO-2): this rank's range, the only one kept
+
+    @property
+    def numel(self) -> int:
+        return self.param_flat.numel() if self.param_flat is not None else self.flat.numel()
 
     def range_of(self, k: int) -> tuple[int, int]:
         """Rank k's range of the flat buffers."""
-        size = self.flat.numel() // self.shards
+        size = self.numel // self.shards
         return k * size, (k + 1) * size
+
+    def own_grad(self) -> torch.Tensor:
+        """This rank's range of the reduced gradients."""
+        lo, hi = self.own
+        return self.grad if self.grad is not None else self.flat[lo:hi]
 
     @property
     def own(self) -> tuple[int, int]:
@@ -143,7 +153,8 @@ class GradBuckets:
     """Gradients as views into flat buffers, reduced one bucket per collective."""
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], expert_names: set[str], world: Any = None,
-                 bucket_mb: float = 25.0, shard: bool = False):
+                 bucket_mb: float = 25.0, shard: bool = False, shard_grads: bool = False,
+                 first_use: dict[str, int] | None = None):
         self.world = world
         self.shard = shard
         self._scratch: torch.Tensor | None = None  # gloo's reduce-scatter by exchange receives here
@@ -171,6 +182,11 @@ class GradBuckets:
                     size += p.numel() * p.element_size()
                 if chunk:
                     self.buckets.append(self._bucket(kind, groups[kind], chunk, dtype, device))
+        self.grad_shards = None
+        if shard_grads and any(b.shards > 1 for b in self.buckets):
+            from .grad_shards import GradientShards
+
+            self.grad_shards = GradientShards(self, first_use or {})
 
     def _bucket(self, kind: str, group: Any, named: list[tuple[str, nn.Parameter]], dtype: torch.dtype,
                 device: torch.device) -> Bucket:
@@ -198,6 +214,13 @@ class GradBuckets:
     def params(self) -> list[nn.Parameter]:
         return [p for b in self.buckets for p in b.params]
 
+    def grad_bytes(self) -> int:
+        """Bytes this rank holds for gradients between steps: whole buckets, own ranges, reusable buffers."""
+        held = [b.flat for b in self.buckets if b.flat is not None] + [b.grad for b in self.buckets if b.grad is not None]
+        held += [self._scratch] if self._scratch is not None else []
+        held += self.grad_shards.pool if self.grad_shards is not None else []
+        return sum(t.numel() * t.element_size() for t in held)
+
     def collectives_per_step(self) -> int:
         """Gradient collectives a step launches (a sharded bucket's all-gather of parameters counts too)."""
         if not self.world:
@@ -214,17 +237,33 @@ class GradBuckets:
                 if lo == hi:
                     continue
                 parts = tuple(b.part(i, k) for k in range(b.shards)) if b.shards > 1 else ((0, p.numel()),)
-                grad = b.views[i] if hi - lo == p.numel() else b.flat[b.offsets[i] + lo : b.offsets[i] + hi]
+                if b.grad is not None:
+                    start = b.offsets[i] - b.own[0]
+                    grad = b.grad[start + lo : start + hi]
+                    grad = grad.view_as(p) if hi - lo == p.numel() else grad
+                else:
+                    grad = b.views[i] if hi - lo == p.numel() else b.flat[b.offsets[i] + lo : b.offsets[i] + hi]
                 out.append(Shard(name, p, lo, hi, grad, parts, b.rank))
         return out
 
     def prepare(self) -> None:
-        """Zero the buckets and point every ``param.grad`` at its view (backward accumulates in place)."""
+        """Zero the buckets and point every ``param.grad`` at its view (backward accumulates in place).
+
+        With gradients sharded, backward's gradients go through :class:`GradientShards` instead.
+        """
+        if self.grad_shards is not None:
+            self.grad_shards.prepare()
         for b in self.buckets:
-            b.flat.zero_()
-            for p, v in zip(b.params, b.views):
-                if p.grad is not v:
-                    p.grad = v
+            if b.grad is None:
+                b.flat.zero_()
+                for p, v in zip(b.params, b.views):
+                    if p.grad is not v:
+                        p.grad = v
+
+    def after_backward(self) -> None:
+        """The end of one backward (of each micro-batch): gradients sharded, the last buckets are sent."""
+        if self.grad_shards is not None:
+            self.grad_shards.finish_backward()
 
     def sync(self) -> None:
         """Sum each bucket over its group (all launched before any is waited on), then divide by dp size.
@@ -235,6 +274,8 @@ class GradBuckets:
             return
         handles, exchanged = [], []
         for b in self.buckets:
+            if b.grad is not None:
+                continue  # reduce-scattered during backward
             if b.shards > 1 and _is_gloo(b.group):
                 exchanged.append(b)
             elif b.shards > 1:
@@ -243,7 +284,8 @@ class GradBuckets:
             elif b.group is not None and _group_size(b.group) > 1:
                 handles.append(dist.all_reduce(b.flat, group=b.group, async_op=True))
         for b in exchanged:
-            self._reduce_scatter_by_exchange(b)
+            lo, hi = b.own
+            self.reduce_scatter_by_exchange(b, b.flat, b.flat[lo:hi])
         for h in handles:
             h.wait()
         if self.dp_size > 1:
@@ -269,24 +311,22 @@ class GradBuckets:
         for h in handles:
             h.wait()
 
-    def _reduce_scatter_by_exchange(self, b: Bucket) -> None:
-        """gloo: reduce-scatter as one all-to-all and a local sum of the d ranges received.
+    def reduce_scatter_by_exchange(self, b: Bucket, flat: torch.Tensor, out: torch.Tensor) -> None:
+        """gloo: reduce-scatter ``flat`` into ``out`` as one all-to-all and a local sum of the d ranges received.
 
         gloo's reduce_scatter_single took 1.2-1.6x its all-reduce of the bucket and 2.4-5x this (2 ranks,
         1-70 MiB; benchmarks/shard_optimizer.py --collectives). The receive buffer is one bucket, kept.
         """
-        if self._scratch is None or self._scratch.numel() < b.flat.numel() or self._scratch.dtype != b.flat.dtype:
-            self._scratch = torch.empty(max(x.flat.numel() for x in self.buckets if x.flat.dtype == b.flat.dtype),
-                                        dtype=b.flat.dtype, device=b.flat.device)
-        received = self._scratch[: b.flat.numel()]
-        dist.all_to_all_single(received, b.flat, group=b.group)
-        lo, hi = b.own
-        torch.sum(received.view(b.shards, hi - lo), dim=0, out=b.flat[lo:hi])
+        if self._scratch is None or self._scratch.numel() < flat.numel() or self._scratch.dtype != flat.dtype:
+            self._scratch = torch.empty(max(x.numel for x in self.buckets if x.param_flat is not None
+                                            and x.param_flat.dtype == flat.dtype), dtype=flat.dtype, device=flat.device)
+        received = self._scratch[: flat.numel()]
+        dist.all_to_all_single(received, flat, group=b.group)
+        torch.sum(received.view(b.shards, out.numel()), dim=0, out=out)
 
     def _reduced(self, kind: str | None = None) -> list[torch.Tensor]:
         """The reduced part of each bucket: its own range when sharded, else all of it."""
-        return [b.flat[b.own[0] : b.own[1]] if b.shards > 1 else b.flat
-                for b in self.buckets if kind is None or b.kind == kind]
+        return [b.own_grad() if b.shards > 1 else b.flat for b in self.buckets if kind is None or b.kind == kind]
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm: dense grads are replicated, expert shards summed over the expert-parallel group.
@@ -314,4 +354,4 @@ class GradBuckets:
         return norm
 
     def _device(self) -> torch.device:
-        return self.buckets[0].flat.device if self.buckets else torch.device("cpu")
+        return self.buckets[0].params[0].device if self.buckets else torch.device("cpu")

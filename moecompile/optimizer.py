@@ -42,8 +42,10 @@ class Update:
 
     def load_grad(self) -> None:
         """Hand the reduced gradient to the optimizer (a view, or its fp32 copy)."""
-        if self.tensor is not self.shard.param:
-            self.tensor.grad = self.shard.grad.float() if self.is_copy else self.shard.grad
+        if self.is_copy:
+            self.tensor.grad = self.shard.grad.float()
+        elif self.tensor.grad is not self.shard.grad:
+            self.tensor.grad = self.shard.grad
 
     def write_back(self) -> None:
         """A master's new values into the parameter."""

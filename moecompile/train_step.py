@@ -129,7 +129,9 @@ class TrainStep:
         self.expert_names = set(expert_parameters(self.module))
         self.sharded = bool(self.plan.parallel.shard_optimizer and self.world is not None
                             and getattr(self.world, "world_size", 1) > 1)
-        self.buckets = GradBuckets(params.items(), self.expert_names, self.world, bucket_mb, shard=self.sharded)
+        self.buckets = GradBuckets(params.items(), self.expert_names, self.world, bucket_mb, shard=self.sharded,
+                                   shard_grads=self.sharded and self.plan.parallel.shard_gradients,
+                                   first_use=_first_use(self.module))
         self.trainable = {n: p for n, p in params.items() if p.requires_grad}
         # bf16 parameters train through fp32 master copies; fp32 ones are their own masters
         masters = any(p.dtype != torch.float32 for p in self.trainable.values())
@@ -184,6 +186,7 @@ class TrainStep:
             if i == len(parts) - 1:  # launched before the last backward, waited on after the optimizer
                 reduced, handle = self._reduce_stats(local)
             (loss / len(parts)).backward()
+            self.buckets.after_backward()
         self.buckets.sync()
         norm = self.buckets.clip_(self.clip_grad_norm) if self.clip_grad_norm is not None else None
         for u in self.updates:
@@ -305,6 +308,15 @@ class TrainStep:
         from .checkpoint import load
 
         load(self, path)
+
+
+def _first_use(gm: nn.Module) -> dict[str, int]:
+    """Each parameter's first read in the forward graph, by position (backward completes them in reverse)."""
+    out: dict[str, int] = {}
+    for i, node in enumerate(getattr(gm, "graph", None).nodes if hasattr(gm, "graph") else ()):
+        if node.op == "get_attr":
+            out.setdefault(node.target, i)
+    return out
 
 
 def traced_batch(gm: nn.Module) -> int | None:

@@ -1,9 +1,10 @@
 """Sharded optimizer runs shared by tests/test_shard_optimizer.py (spawned once per session, cached).
 
 ``two_ranks()``: on 2 gloo ranks, each setting in SETTINGS trains STEPS steps unsharded and then
-sharded (parallel.shard_optimizer) from the same init on the same batches; the sharded ep=2 run
-saves a checkpoint and takes STEPS more steps. ``four_ranks()``: on 4 ranks at ep=2 (edp=2, so
-expert ranges are sharded too) the same comparison, then that checkpoint loaded sharded.
+sharded (parallel.shard_optimizer, and shard_gradients where it says zero2) from the same init on the
+same batches; the sharded ep=2 run saves a checkpoint and takes STEPS more steps. ``four_ranks()``: on
+4 ranks at ep=2 (edp=2, so expert ranges are sharded too) the same comparison with gradients sharded,
+then that checkpoint loaded there.
 """
 
 from __future__ import annotations
@@ -23,8 +24,12 @@ from moecompile.grad_sync import _is_gloo
 
 STEPS = 3
 EXPERTS = {"num_experts": 4, "top_k": 2, "z_loss_coeff": 1e-3, "router_noise": 0.02}
-# name: (ep, dtype); "nccl_forms" runs the reduce-scatter / all-gather a GPU runs (gloo gets exchanges instead)
-SETTINGS = {"dp2": (1, None), "ep2": (2, None), "dp2_bf16": (1, "bfloat16"), "nccl_forms": (1, None)}
+# name: (ep, dtype, sequences a forward, more parallel fields of the sharded run); "nccl_forms*" run the
+# reduce-scatter / all-gather a GPU runs (gloo gets exchanges instead); zero2: parallel.shard_gradients
+ZERO2 = {"shard_gradients": True}
+SETTINGS = {"dp2": (1, None, 2, {}), "ep2": (2, None, 2, {}), "dp2_bf16": (1, "bfloat16", 2, {}),
+            "nccl_forms": (1, None, 2, {}), "dp2_zero2_micro": (1, None, 1, ZERO2),
+            "ep2_zero2_bf16": (2, "bfloat16", 2, ZERO2), "nccl_forms_zero2_micro": (1, None, 1, ZERO2)}
 
 
 def grouped_adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -35,13 +40,14 @@ def grouped_adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
                              lr=3e-3)
 
 
-def make_step(world_size: int, ep: int, shard: bool, dtype: str | None = None) -> tuple[Any, Any]:
+def make_step(world_size: int, ep: int, shard: bool, dtype: str | None = None, batch: int | None = None,
+              **parallel: Any) -> tuple[Any, Any]:
     import moecompile as mc
     from moecompile.models import build_model
 
-    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=GLOBAL_BATCH // world_size, seq_len=SEQ,
-                                dtype=dtype)
-    plan = {"experts": EXPERTS, "parallel": {"ep": ep, "shard_optimizer": shard}}
+    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=batch or GLOBAL_BATCH // world_size,
+                                seq_len=SEQ, dtype=dtype)
+    plan = {"experts": EXPERTS, "parallel": {"ep": ep, "shard_optimizer": shard, **parallel}}
     result = mc.convert(dense, plan, (ids,))
     return result, mc.build_train_step(result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.05)
 
@@ -55,13 +61,16 @@ def _train(step: Any, rank: int, world_size: int, first: int, count: int) -> lis
     return out
 
 
-def _compare(rank: int, world_size: int, ep: int, dtype: str | None) -> dict:
+def _compare(rank: int, world_size: int, ep: int, dtype: str | None, batch: int | None = None,
+             extra: dict | None = None) -> dict:
     out: dict[str, Any] = {}
     for shard in (False, True):
-        result, step = make_step(world_size, ep, shard, dtype)
+        result, step = make_step(world_size, ep, shard, dtype, batch, **(extra or {}) if shard else {})
         metrics = _train(step, rank, world_size, 0, STEPS)
         out[shard] = {
             "metrics": metrics, "bytes": step.optimizer_bytes(), "collectives": step.buckets.collectives_per_step(),
+            "grad_bytes": step.buckets.grad_bytes(), "micro_batches": step.parts,
+            "bucket_bytes": max(b.numel * b.params[0].element_size() for b in step.buckets.buckets),
             "params": {n: p.detach().float().clone() for n, p in result.module.named_parameters()},
             "misaligned": [n for b in step.buckets.buckets if b.shards > 1 for n, p in zip(b.names, b.params)
                            if (p.data_ptr() - b.param_flat.data_ptr()) % 256],  # the buffer: CPU aligns to 64
@@ -80,10 +89,10 @@ def two_ranks_worker(rank: int, world_size: int, out: str) -> dict:
     reduce_scatter = dist.reduce_scatter_single
     dist.reduce_scatter_single = lambda *a, **k: calls.append(1) or reduce_scatter(*a, **k)
     res = {}
-    for name, (ep, dtype) in SETTINGS.items():
-        grad_sync._is_gloo = (lambda group: False) if name == "nccl_forms" else _is_gloo
+    for name, (ep, dtype, batch, extra) in SETTINGS.items():
+        grad_sync._is_gloo = (lambda group: False) if name.startswith("nccl_forms") else _is_gloo
         calls.clear()
-        res[name] = _compare(rank, world_size, ep, dtype)
+        res[name] = _compare(rank, world_size, ep, dtype, batch, extra)
         res[name]["reduce_scatters"] = len(calls)
     grad_sync._is_gloo, dist.reduce_scatter_single = _is_gloo, reduce_scatter
     _, step = make_step(world_size, 2, True)
@@ -104,8 +113,8 @@ def two_ranks() -> tuple[Path, list[dict]]:
 
 
 def four_ranks_worker(rank: int, world_size: int, ckpt: str) -> dict:
-    res = {"ep2": _compare(rank, world_size, 2, None)}
-    _, step = make_step(world_size, 2, True)
+    res = {"ep2": _compare(rank, world_size, 2, None, extra=ZERO2)}  # dense grads / 4, expert grads / 2
+    _, step = make_step(world_size, 2, True, **ZERO2)
     step.load(ckpt)
     res["loaded"] = _train(step, rank, world_size, STEPS, 1)
     return res

@@ -124,7 +124,8 @@ def _assert_same_training(unsharded: dict, sharded_: dict) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("setting", ["dp2", "ep2", "dp2_bf16", "nccl_forms"])
+@pytest.mark.parametrize("setting", ["dp2", "ep2", "dp2_bf16", "nccl_forms", "dp2_zero2_micro", "ep2_zero2_bf16",
+                                     "nccl_forms_zero2_micro"])
 def test_two_ranks_train_the_same_and_keep_half_the_optimizer(setting):
     from _shard_scenario import two_ranks
 
@@ -134,14 +135,25 @@ def test_two_ranks_train_the_same_and_keep_half_the_optimizer(setting):
     full = ranks[0][setting][False]["bytes"]
     assert full == ranks[1][setting][False]["bytes"]
     mine = [r[setting][True]["bytes"] for r in ranks]
-    if setting == "ep2":  # experts are not replicated at ep=2 on 2 ranks (edp=1): only the dense state splits
+    if setting.startswith("ep2"):  # experts are not replicated at ep=2 on 2 ranks (edp=1): only the dense state splits
         assert all(m < full for m in mine)
     else:
         assert sum(mine) == full and max(mine) <= full // 2 + 4096  # halves, up to one aligned run
     # a reduce-scatter and an all-gather per sharded bucket, in place of one all-reduce
     assert ranks[0][setting][True]["collectives"] > ranks[0][setting][False]["collectives"]
     # gloo reduce-scatters by an all-to-all exchange; NCCL (emulated here) by its own reduce_scatter
-    assert (ranks[0][setting]["reduce_scatters"] > 0) == (setting == "nccl_forms")
+    assert (ranks[0][setting]["reduce_scatters"] > 0) == setting.startswith("nccl_forms")
+    unsharded, sharded_ = ranks[0][setting][False], ranks[0][setting][True]
+    if "micro" in setting:
+        assert sharded_["micro_batches"] == unsharded["micro_batches"] == 2
+    if "zero2" in setting and setting.startswith("ep2"):
+        pass  # only the small dense part splits (edp=1): the buckets in flight outweigh it at this size
+    elif "zero2" in setting:  # a rank keeps its range of the gradients and a few buckets in flight, not all
+        in_flight = 3 if setting.startswith("nccl_forms") else 2  # gloo: one buffer and the exchange's
+        kept = unsharded["grad_bytes"] / 2 + in_flight * sharded_["bucket_bytes"]
+        assert sharded_["grad_bytes"] <= kept, (sharded_["grad_bytes"], unsharded["grad_bytes"])
+    else:
+        assert sharded_["grad_bytes"] >= unsharded["grad_bytes"]
 
 
 @pytest.mark.distributed
@@ -173,3 +185,9 @@ def test_four_ranks_shard_experts_over_edp_and_load_a_two_rank_checkpoint():
         _assert_same_training(r["ep2"][False], r["ep2"][True])
         assert r["ep2"][True]["bytes"] < r["ep2"][False]["bytes"] * 0.6  # dense / 4, experts / 2
         assert r["loaded"][0]["loss"] == pytest.approx(two[0]["continued"][0]["loss"], rel=1e-5)
+
+
+def test_sharded_gradients_need_the_sharded_optimizer():
+    with pytest.raises(mc.PlanError, match="shard_gradients.*shard_optimizer: true"):
+        mc.Plan.from_dict({"parallel": {"shard_gradients": True}})
+    assert mc.Plan.from_dict({"parallel": {"shard_optimizer": True, "shard_gradients": True}}).parallel.shard_gradients

@@ -64,6 +64,13 @@ class ParallelConfig(Section):
         "Gradients are reduce-scattered, each rank updates its range, parameters are all-gathered: the bytes of "
         "the all-reduce it replaces. Exact for elementwise optimizers (SGD, Adam, AdamW, ...); others are an error.",
     )
+    shard_gradients: bool = doc_field(
+        False,
+        "ZeRO-2, on top of shard_optimizer: a rank keeps the gradients of its range only. Each bucket is "
+        "reduce-scattered as soon as backward has filled it (in bucket order) and its whole buffer is reused, so "
+        "a rank holds 1/d of the gradients plus two or three buckets in flight; one reduce-scatter per "
+        "micro-batch instead of one per step. Needs shard_optimizer: true.",
+    )
     timeout_s: float = doc_field(
         300.0,
         "Seconds a collective waits for its peers before failing with a DistributedError that names it "
@@ -77,6 +84,9 @@ class ParallelConfig(Section):
             self.fail("capacity_factor", "must be > 0, or null to use experts.capacity_factor")
         if self.timeout_s <= 0:
             self.fail("timeout_s", "must be > 0 seconds")
+        if self.shard_gradients and not self.shard_optimizer:
+            self.fail("shard_gradients", "shards the gradients of the ranges shard_optimizer gives each rank: set "
+                      "parallel.shard_optimizer: true as well")
 
     def packs_routing_weights(self, rows_bytes: float, device_type: str) -> bool:
         """Whether the alltoall dispatch sends the routing weights inside the rows' exchange."""

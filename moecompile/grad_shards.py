@@ -1,0 +1,127 @@
+"""ZeRO-2 (``parallel.shard_gradients``): a rank keeps the gradients of its own range only.
+
+ZeRO-1 (``parallel.shard_optimizer``) still accumulates every gradient whole in the flat
+buckets. Here backward's gradients pass through instead::
+
+    backward: grad of p  ->  post-accumulate hook: copy into p's bucket (a buffer from a small
+              pool), free p.grad
+    bucket complete (and every bucket before it sent: all ranks send in one order)
+              ->  reduce-scatter into this rank's range, which accumulates over micro-batches;
+                  the buffer goes back to the pool once the collective is done
+    end of backward: buckets whose parameters got no gradient are sent as they are (zeros)
+
+so a rank holds 1/d of the gradients plus at most ``in_flight`` + 1 buckets in flight, where
+ZeRO-1 holds all of them. The optimizer, its state and the all-gather of the parameters are
+ZeRO-1's. Reduce-scattering per micro-batch rounds the sum over micro-batches per rank range
+rather than per element of a whole bucket, the one difference from ZeRO-1's numbers.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+IN_FLIGHT = 2  # buckets whose reduce-scatter may still be running while backward fills the next
+
+
+class GradientShards:
+    """Backward's gradients, reduce-scattered bucket by bucket into each sharded bucket's own range."""
+
+    def __init__(self, buckets: Any, first_use: dict[str, int], in_flight: int = IN_FLIGHT):
+        from .grad_sync import _is_gloo
+
+        self.owner = buckets
+        # the order backward completes buckets, and every rank sends them in: a bucket is complete when its
+        # parameter that the forward used first has its gradient, and backward runs the forward in reverse
+        self.buckets = sorted((b for b in buckets.buckets if b.shards > 1),
+                              key=lambda b: -min(first_use.get(n, -1) for n in b.names))
+        self.in_flight = in_flight
+        self.where: dict[int, tuple[Any, int]] = {}
+        self.gaps: dict[int, list[tuple[int, int]]] = {}  # per bucket: the alignment padding, summed as zeros
+        for b in self.buckets:
+            ends = [(o, o + p.numel()) for o, p in zip(b.offsets, b.params)] + [(b.numel, b.numel)]
+            self.gaps[id(b)] = [(end, nxt) for (_, end), (nxt, _) in zip(ends, ends[1:]) if nxt > end]
+            lo, hi = b.own
+            b.grad = torch.zeros(hi - lo, dtype=b.flat.dtype, device=b.flat.device)
+            b.flat = None  # the whole bucket exists only while backward fills it
+            b.views = []
+            for i, p in enumerate(b.params):
+                self.where[id(p)] = (b, i)
+                p.register_post_accumulate_grad_hook(self._arrived)
+        self.exchange = {id(b): _is_gloo(b.group) for b in self.buckets}
+        self.pool: list[torch.Tensor] = []
+        self.pending: collections.deque = collections.deque()
+        self.arrived: dict[int, set[int]] = {id(b): set() for b in self.buckets}
+        self.sent = 0  # buckets sent this backward, in order
+
+    def prepare(self) -> None:
+        """Before a step: no gradient kept yet."""
+        for b in self.buckets:
+            b.grad.zero_()
+            for p in b.params:
+                p.grad = None
+
+    def _arrived(self, p: nn.Parameter) -> None:
+        b, i = self.where[id(p)]
+        if b.flat is None:
+            b.flat = self._take(b.numel, b.grad.dtype, b.grad.device)
+        off = b.offsets[i]
+        b.flat[off : off + p.numel()].view_as(p).copy_(p.grad)
+        p.grad = None  # the whole gradient lives on only in the bucket
+        self.arrived[id(b)].add(i)
+        while self.sent < len(self.buckets) and len(self.arrived[id(self.buckets[self.sent])]) == \
+                len(self.buckets[self.sent].params):
+            self._send(self.buckets[self.sent])
+
+    def finish_backward(self) -> None:
+        """After a backward: send what is left in order (parameters without a gradient are zeros), wait for all."""
+        while self.sent < len(self.buckets):
+            self._send(self.buckets[self.sent])
+        while self.pending:
+            self._finish_one()
+        # buffers for buckets that backward filled side by side go back to the allocator; kept: one per
+        # reduce-scatter that may be in flight, and one (gloo's exchange has finished before the next starts)
+        del self.pool[1 if all(self.exchange.values()) else self.in_flight + 1 :]
+        self.sent = 0
+        for b in self.buckets:
+            self.arrived[id(b)].clear()
+
+    def _send(self, b: Any) -> None:
+        if b.flat is None:
+            b.flat = self._take(b.numel, b.grad.dtype, b.grad.device)
+        for i, p in enumerate(b.params):  # no gradient this backward: it contributes zeros
+            if i not in self.arrived[id(b)]:
+                b.flat[b.offsets[i] : b.offsets[i] + p.numel()].zero_()
+        for lo, hi in self.gaps[id(b)]:  # a reused buffer holds anything there
+            b.flat[lo:hi].zero_()
+        out = torch.empty_like(b.grad)
+        if self.exchange[id(b)]:
+            self.owner.reduce_scatter_by_exchange(b, b.flat, out)
+            handle = None
+        else:
+            handle = dist.reduce_scatter_single(out, b.flat, group=b.group, async_op=True)
+        self.pending.append((b, handle, out, b.flat if b.flat._base is None else b.flat._base))
+        b.flat = None
+        self.sent += 1
+        if handle is None or len(self.pending) > self.in_flight:  # an exchange has finished already
+            self._finish_one()
+
+    def _finish_one(self) -> None:
+        b, handle, out, flat = self.pending.popleft()
+        if handle is not None:
+            handle.wait()
+        b.grad.add_(out)
+        self.pool.append(flat)
+
+    def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A bucket-sized buffer: one the pool holds, or a new one (the pool keeps in_flight + 1 of them)."""
+        for k, t in enumerate(self.pool):
+            if t.numel() >= numel and t.dtype == dtype and t.device == device:
+                return self.pool.pop(k)[:numel]
+        if self.pool:  # none fits: trade the smallest for a new one, so the pool stays bounded
+            self.pool.remove(min(self.pool, key=torch.Tensor.numel))
+        return torch.empty(numel, dtype=dtype, device=device)
