@@ -19,6 +19,7 @@ rather than per element of a whole bucket, the one difference from ZeRO-1's numb
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import Any
 
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 IN_FLIGHT = 2  # buckets whose reduce-scatter may still be running while backward fills the next
+_HOOKS: dict[int, tuple[weakref.ref, Any]] = {}  # id(parameter) -> (it, its hook): one step owns a parameter
 
 
 class GradientShards:
@@ -51,7 +53,10 @@ class GradientShards:
             b.views = []
             for i, p in enumerate(b.params):
                 self.where[id(p)] = (b, i)
-                p.register_post_accumulate_grad_hook(self._arrived)
+                earlier = _HOOKS.get(id(p))
+                if earlier is not None and earlier[0]() is p:  # a step built earlier on the module gives it up
+                    earlier[1].remove()
+                _HOOKS[id(p)] = (weakref.ref(p), p.register_post_accumulate_grad_hook(self._arrived))
         self.exchange = {id(b): _is_gloo(b.group) for b in self.buckets}
         self.pool: list[torch.Tensor] = []
         self.pending: collections.deque = collections.deque()

@@ -133,3 +133,17 @@ def one_process_from_checkpoint() -> list[dict]:
     _, step = make_step(1, 1, False)
     step.load(out / "ckpt")
     return _train(step, 0, 1, STEPS, STEPS)
+
+
+def rebuilt_worker(rank: int, world_size: int) -> dict[bool, list[float]]:
+    """One step, then a second step object built on the same converted module (a fresh optimizer) for two
+    more: with gradients sharded (the second takes the gradient hooks over) and unsharded, the oracle."""
+    import moecompile as mc
+
+    out = {}
+    for shard in (False, True):
+        result, first = make_step(world_size, 1, shard, **(ZERO2 if shard else {}))
+        losses = [m["loss"] for m in _train(first, rank, world_size, 0, 1)]
+        second = mc.build_train_step(result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.05)
+        out[shard] = losses + [m["loss"] for m in _train(second, rank, world_size, 1, 2)]
+    return out

@@ -191,3 +191,12 @@ def test_sharded_gradients_need_the_sharded_optimizer():
     with pytest.raises(mc.PlanError, match="shard_gradients.*shard_optimizer: true"):
         mc.Plan.from_dict({"parallel": {"shard_gradients": True}})
     assert mc.Plan.from_dict({"parallel": {"shard_optimizer": True, "shard_gradients": True}}).parallel.shard_gradients
+
+
+@pytest.mark.distributed
+def test_a_second_step_on_the_same_module_takes_the_gradient_hooks_over():
+    from _shard_scenario import rebuilt_worker
+    from _spawn import run
+
+    for r in run(rebuilt_worker, 2, timeout=200):
+        assert r[True] == pytest.approx(r[False], rel=1e-6) and len(r[True]) == 3
