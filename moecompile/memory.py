@@ -38,8 +38,10 @@ from torch._subclasses import FakeTensorMode
 
 from .costs import human, node_flops
 from .errors import MoecompileError
+from .grad_shards import IN_FLIGHT
 from .grad_sync import expert_parameters
 from .graph import module_path
+from .memory_shards import optimizer_ranks, ranged_bytes, sharded_buckets
 from .meta import Role, moe
 
 CATEGORIES = ("attention", "router", "experts", "permutation", "layernorm", "mlp", "embedding", "other")
@@ -346,6 +348,8 @@ class MemoryEstimate:
     shard_optimizer: bool = False  # optimizer, masters and master grads are this rank's range (ZeRO-1)
     dp: int = 1  # ranks the dense ranges are split over (the data-parallel world) when sharded
     edp: int = 1  # ranks the expert ranges are split over (dp / ep) when sharded
+    shard_gradients: bool = False  # model-dtype grads are this rank's range too, + buckets in flight (ZeRO-2)
+    in_flight_grads: int = 0  # the part of ``grads`` that is ZeRO-2's whole bucket buffers in flight
 
     @property
     def total(self) -> int:
@@ -369,8 +373,11 @@ class MemoryEstimate:
         if self.by_pass:
             lines.append("  after pass: " + ", ".join(f"{p.name} {b(p.activations)}" for p in self.by_pass))
         if self.shard_optimizer:
-            lines.append(f"  optimizer, masters and their grads: this rank's range (parallel.shard_optimizer): dense / "
-                         f"dp={self.dp}, experts / edp={self.edp}")
+            what = ("optimizer, masters and all grads (parallel.shard_gradients)" if self.shard_gradients else
+                    "optimizer, masters and their grads (parallel.shard_optimizer)")
+            lines.append(f"  {what}: this rank's range, dense / dp={self.dp}, experts / edp={self.edp}")
+        if self.in_flight_grads:
+            lines.append(f"  grads include {b(self.in_flight_grads)} of whole gradient buckets in flight (ZeRO-2)")
         return "\n".join(lines)
 
 
@@ -395,7 +402,8 @@ def example_inputs(result: Any, batch: Any = None) -> list[Any]:
 
 def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw", state_dtype: torch.dtype | None = None,
                     master_weights: bool | None = None, by_pass: bool = True, shard_optimizer: bool | None = None,
-                    dp: int | None = None) -> MemoryEstimate:
+                    dp: int | None = None, shard_gradients: bool | None = None,
+                    bucket_mb: float = 25.0) -> MemoryEstimate:
     """Per-rank memory of ``result`` (a ConversionResult) for a training step; nothing real runs.
 
     On an expert-parallel graph (``parallel.ep`` > 1, converted on this rank) every figure is this
@@ -417,6 +425,13 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
     where sharding changes nothing). A single-process ``ep=1`` conversion holds what every rank of an
     ``ep=1`` run holds, so ``dp=4`` estimates one rank of 4; for ``ep > 1`` convert under the world
     (or a fake process group) so the graph holds E/ep experts.
+
+    ``shard_gradients`` (None: ``plan.parallel.shard_gradients``, or False when ``shard_optimizer=False``
+    is passed): ZeRO-2, the model-dtype grads are this rank's range too, plus the whole bucket
+    buffers in flight (``in_flight_grads``): IN_FLIGHT + 1 = 3 (or as many sharded buckets as there are)
+    x the largest sharded bucket of ``bucket_mb`` (build_train_step's) or of one larger parameter; the
+    bound build_train_step's pool stays under between steps on NCCL (gloo keeps 2). A bucket over a
+    group of one rank (experts at edp = 1) stays whole.
     """
     if optimizer not in _OPTIMIZER_STATES:
         raise MoecompileError(f"estimate_memory: optimizer {optimizer!r} unknown; use one of {', '.join(_OPTIMIZER_STATES)}")
@@ -439,10 +454,22 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
     p_bytes = sum(p.numel() * p.element_size() for p in named.values())
     trainable = {n: p for n, p in named.items() if p.requires_grad}
     g_bytes = sum(p.numel() * p.element_size() for p in trainable.values())  # the model-dtype buckets, whole
+    experts = set(expert_parameters(gm))
     if master_weights is None:  # build_train_step: bf16 parameters train through fp32 masters
         master_weights = any(p.dtype != torch.float32 for p in trainable.values())
-    shard, dp, edp = _optimizer_ranks(result, shard_optimizer, dp, ep)
-    ranged = _ranged(trainable, set(expert_parameters(gm)), dp if shard else 1, edp if shard else 1)
+    shard, dp, edp = optimizer_ranks(result, shard_optimizer, dp, ep)
+    ranged = ranged_bytes(trainable, experts, dp if shard else 1, edp if shard else 1)
+    if shard_gradients is None:
+        shard_gradients = result.plan.parallel.shard_gradients and shard_optimizer is not False
+    if shard_gradients and not shard:
+        raise MoecompileError("estimate_memory: shard_gradients=True needs shard_optimizer (ZeRO-2 keeps the "
+                              "gradients of the ranges ZeRO-1 gives each rank): pass shard_optimizer=True too, or "
+                              "shard_gradients=False")
+    in_flight = 0
+    if shard_gradients:  # this rank's range, and the pool of whole buckets backward fills and sends
+        g_bytes = ranged(lambda p: p.element_size())
+        largest, count = sharded_buckets(trainable, experts, dp, edp, bucket_mb)
+        in_flight = min(IN_FLIGHT + 1, count) * largest
     m_bytes = ranged(lambda p: 4) if master_weights else 0  # the masters and, as much, their fp32 .grad
     if state_dtype is not None:
         size = torch.empty((), dtype=state_dtype).element_size()
@@ -462,37 +489,13 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
             history.append(_pass_memory(rec, gm, inputs, ep))
     tokens = next((t.numel() for t in inputs if isinstance(t, torch.Tensor) and not t.is_floating_point()), 0)
     return MemoryEstimate(
-        params=p_bytes, grads=g_bytes + m_bytes, optimizer=_OPTIMIZER_STATES[optimizer] * state_bytes, buffers=buf_bytes,
+        params=p_bytes, grads=g_bytes + in_flight + m_bytes, optimizer=_OPTIMIZER_STATES[optimizer] * state_bytes,
+        buffers=buf_bytes,
         activations=profile.device_bytes, offloaded=profile.host_bytes, by_category=profile.split("category"),
         by_layer=dict(sorted(by_layer.items(), key=lambda kv: _layer_order(kv[0]))), by_pass=history,
         tokens=tokens, profile=profile, masters=m_bytes, expert_params=x_bytes, master_grads=m_bytes,
-        shard_optimizer=shard, dp=dp, edp=edp,
+        shard_optimizer=shard, dp=dp, edp=edp, shard_gradients=bool(shard_gradients), in_flight_grads=in_flight,
     )
-
-
-def _optimizer_ranks(result: Any, shard: bool | None, dp: int | None, ep: int) -> tuple[bool, int, int]:
-    """(shard the optimizer?, dp, edp) of the run ``estimate_memory`` estimates."""
-    if dp is None:
-        world = getattr(getattr(result, "context", None), "world", None)
-        dp = world.world_size if world is not None else 1
-    elif not isinstance(dp, int) or isinstance(dp, bool) or dp < 1 or dp % ep:
-        raise MoecompileError(f"estimate_memory: dp={dp!r} must be the run's number of data-parallel ranks, a whole "
-                              f"multiple of parallel.ep={ep} (each ep group of ranks holds every expert once)")
-    shard = result.plan.parallel.shard_optimizer if shard is None else bool(shard)
-    return shard, dp, dp // ep
-
-
-def _ranged(trainable: dict[str, torch.nn.Parameter], experts: set[str], dp: int, edp: int) -> Callable[[Callable], int]:
-    """Bytes of a per-element cost over the trainable parameters, for this rank's range: every (kind, dtype)
-    bucket is split into equal ranges, dense ones over ``dp`` ranks and expert ones over ``edp`` (1, 1: whole)."""
-
-    def total(nbytes: Callable[[torch.nn.Parameter], int]) -> int:
-        groups: collections.Counter[tuple[bool, torch.dtype, int]] = collections.Counter()
-        for name, p in trainable.items():
-            groups[(name in experts, p.dtype, nbytes(p))] += p.numel()
-        return sum(size * -(-count // (edp if expert else dp)) for (expert, _, size), count in groups.items())
-
-    return total
 
 
 def _layer_order(layer: str) -> tuple:

@@ -237,3 +237,78 @@ def test_sharded_estimate_matches_what_the_training_step_keeps(batch, fake_world
     # equal up to the ranges' alignment padding (each parameter starts 256 B-aligned in its bucket)
     assert abs(est.optimizer + est.masters - kept) / kept < 0.02, (est.optimizer + est.masters, kept)
     assert abs(est.master_grads - master_grads) / master_grads < 0.02, (est.master_grads, master_grads)
+
+
+# --- parallel.shard_gradients (ZeRO-2): a rank keeps its range of the gradients, + whole buckets in flight --
+
+
+def _padded(params, d: int) -> int:
+    """Bytes of one bf16 bucket of ``params`` split over d ranks: each parameter 128-element (256 B) aligned,
+    the bucket a whole number of aligned ranges (grad_sync's layout)."""
+    end = sum(-(-p.numel() // 128) * 128 for p in params)
+    return -(-end // (128 * d)) * 128 * d * 2
+
+
+def test_sharded_gradients_are_this_ranks_range_of_a_single_process_graph(batch):
+    """dp=4, ep=1: bf16 grads, masters' fp32 grads, AdamW states and masters all / 4; + 3 (here 2) buckets."""
+    model = tiny_hf("llama").to(torch.bfloat16)
+    plan = {"experts": EXPERTS, "parallel": {"shard_optimizer": True, "shard_gradients": True}}
+    result = mc.convert(model, plan, (batch,))
+    dense, expert = _counts(result)
+    n, share = dense + expert, -(-dense // 4) + -(-expert // 4)
+    named = dict(result.module.named_parameters())
+    experts = [p for name, p in named.items() if ".experts.w_" in name]
+    whole_dense = [p for name, p in named.items() if ".experts.w_" not in name]
+    est = mc.estimate_memory(result, by_pass=False, dp=4)
+    assert est.shard_gradients and est.master_grads == 4 * share and est.optimizer == 8 * share
+    # both kinds fit one 25 MiB bucket each: the pool holds both, the bigger of them twice at most
+    assert est.in_flight_grads == 2 * max(_padded(whole_dense, 4), _padded(experts, 4))
+    assert est.grads == 2 * share + est.in_flight_grads + 4 * share
+    assert "in flight" in str(est) and "all grads" in str(est)
+    # 1 KiB buckets: every parameter a bucket of its own; 3 of the largest (the embedding or the head)
+    small = mc.estimate_memory(result, by_pass=False, dp=4, bucket_mb=2**-10)
+    assert small.in_flight_grads == 3 * max(_padded([p], 4) for p in named.values())
+    assert small.grads - small.in_flight_grads == est.grads - est.in_flight_grads
+    # ZeRO-1 keeps the bf16 grads whole; so does a single process (no world: dp = 1, nothing to shard over)
+    zero1 = mc.estimate_memory(result, by_pass=False, dp=4, shard_gradients=False)
+    assert zero1.grads == 2 * n + 4 * share and zero1.in_flight_grads == 0 and not zero1.shard_gradients
+    single = mc.estimate_memory(result, by_pass=False)
+    assert single.grads == 6 * n and single.in_flight_grads == 0
+    # shard_optimizer=False turns ZeRO-2 off too; asking for shard_gradients without it names both
+    off = mc.estimate_memory(result, by_pass=False, dp=4, shard_optimizer=False)
+    assert off.grads == 6 * n and not off.shard_gradients
+    with pytest.raises(mc.MoecompileError, match="shard_gradients=True needs shard_optimizer"):
+        mc.estimate_memory(result, by_pass=False, dp=4, shard_optimizer=False, shard_gradients=True)
+    import dataclasses
+
+    zero1_plan = dataclasses.replace(result, plan=result.plan.replace(parallel={"shard_gradients": False}))
+    assert mc.estimate_memory(zero1_plan, by_pass=False, dp=4).grads == zero1.grads  # the plan's field by default
+    assert mc.estimate_memory(zero1_plan, by_pass=False, dp=4, shard_gradients=True).grads == est.grads
+
+
+@pytest.mark.parametrize("bucket_mb", [0.01, 25.0])
+def test_sharded_gradients_estimate_matches_what_the_training_step_keeps(batch, fake_world4, bucket_mb):
+    """build_train_step under the 4-rank world (ep=2: dense grads / 4, expert grads / 2): GradBuckets.grad_bytes."""
+    model = tiny_hf("llama").to(torch.bfloat16)
+    plan = {"experts": EXPERTS, "parallel": {"ep": 2, "shard_optimizer": True, "shard_gradients": True}}
+    result = mc.convert(model, plan, (batch,))
+    est = mc.estimate_memory(result, by_pass=False, bucket_mb=bucket_mb)
+    zero1 = mc.estimate_memory(result, by_pass=False, shard_gradients=False)
+    step = mc.build_train_step(result, keep_host_memory=False, bucket_mb=bucket_mb)
+    for _ in range(3):  # the pool of bucket buffers settles over steps
+        step(batch, batch)
+    buckets = step.buckets.buckets
+    assert step.buckets.grad_shards is not None and all(b.shards > 1 for b in buckets)
+    # the same bucket layout: the pool is bounded by 3 (or every bucket, if fewer) x the largest bucket
+    largest = max(b.numel * 2 for b in buckets)
+    assert est.in_flight_grads == min(3, len(buckets)) * largest
+    ranges = sum(b.grad.numel() * b.grad.element_size() for b in buckets)
+    mine = est.grads - est.master_grads  # the bf16 gradients this rank keeps
+    assert abs(mine - est.in_flight_grads - ranges) / ranges < 0.02  # up to the ranges' alignment padding
+    kept = step.buckets.grad_bytes()
+    assert ranges + largest <= kept <= 1.02 * mine, (kept, mine)  # the pool holds at least its biggest bucket
+    whole = zero1.grads - zero1.master_grads
+    if bucket_mb < 1:  # many small buckets: sharding the gradients keeps less than ZeRO-1's whole buckets
+        assert kept < whole and mine < whole
+    else:  # two buckets of a tiny model: in flight they outweigh the savings, and the estimate says so
+        assert kept > whole and mine > whole
