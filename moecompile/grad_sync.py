@@ -24,7 +24,8 @@ equal ranges, and the parameters move into one flat buffer laid out like the gra
 
 so the step moves the bytes of the all-reduce it replaces and rank k keeps optimizer state
 only for range k (:meth:`GradBuckets.shards`). Every parameter starts ``ALIGN_BYTES``-aligned,
-as kernels want their weights.
+as kernels want their weights. With ``parallel.shard_gradients`` (ZeRO-2) the whole gradient
+buckets exist only while backward fills them, and rank k keeps range k (moecompile.grad_shards).
 """
 
 from __future__ import annotations
