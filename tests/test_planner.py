@@ -343,10 +343,20 @@ def test_one_gpu_never_shards_the_optimizer():
     cands, _ = enumerate_candidates(TINY, tiny_cluster(1), 2, SPACE)
     assert cands and not any(c.plan.parallel.shard_optimizer for c in cands)
     cands, _ = enumerate_candidates(TINY, tiny_cluster(8), 8, SPACE)
-    on = [c for c in cands if c.plan.parallel.shard_optimizer]
-    assert len(on) * 2 == len(cands)  # every plan once each way
-    key = lambda c: (repr(c.plan.replace(parallel={"shard_optimizer": False})), c.micro_batch)  # noqa: E731
-    assert sorted(map(key, on)) == sorted(key(c) for c in cands if not c.plan.parallel.shard_optimizer)
+    levels = {level: [c for c in cands if (c.distributed_optimizer, c.shard_gradients) == level]
+              for level in ((False, False), (True, False), (True, True))}
+    assert len(levels[(False, False)]) * 3 == len(cands)  # every plan unsharded, zero1 and zero2
+    key = lambda c: (repr(c.plan.replace(parallel={"shard_gradients": False, "shard_optimizer": False})),  # noqa: E731
+                     c.micro_batch)
+    assert sorted(map(key, levels[(True, False)])) == sorted(map(key, levels[(False, False)]))
+    assert sorted(map(key, levels[(True, True)])) == sorted(map(key, levels[(False, False)]))
+    # sharding is the cost model's alone: a sharded plan profiles (traces) the graph of its unsharded twin
+    from moecompile.planner.search import iter_sections
+
+    sections = {key(c): iter_sections(c) for c in levels[(False, False)]}
+    assert all(iter_sections(c) == sections[key(c)] for c in levels[(True, True)] + levels[(True, False)])
+    no_zero2 = enumerate_candidates(TINY, tiny_cluster(8), 8, dataclasses.replace(SPACE, shard_gradients=(False,)))[0]
+    assert len(no_zero2) * 3 == len(cands) * 2 and not any(c.shard_gradients for c in no_zero2)
 
 
 def test_cli_plan_writes_shard_optimizer_when_it_is_what_fits(tmp_path, capsys, monkeypatch, tiny_profile):
@@ -366,6 +376,134 @@ def test_cli_plan_writes_shard_optimizer_when_it_is_what_fits(tmp_path, capsys, 
     loaded = mc.Plan.from_file(out)
     assert loaded.parallel.shard_optimizer and mc.Plan.from_dict(loaded.to_dict()) == loaded
     assert main(args[:-2] + ["--shard-optimizer", "off"]) == 1  # an optimizer that must stay whole: nothing fits
+    assert "no plan fits in memory" in capsys.readouterr().out
+
+
+# --- parallel.shard_gradients (ZeRO-2): a rank's range of the gradients, reduce-scattered per micro-batch --
+
+
+def _zero2(profile, ep: int, **kw) -> Candidate:
+    plan = mc.Plan.from_dict({"experts": profile.plan.experts.to_dict(),
+                              "parallel": {"ep": ep, "shard_optimizer": True, "shard_gradients": True}})
+    return Candidate(plan, **kw)
+
+
+def _mem(est) -> dict:
+    return {t.name: t.value for t in est.memory}
+
+
+def test_sharded_gradients_are_the_ranks_range_plus_the_buckets_in_flight(tiny_profile):
+    """bf16 grads 2 B: dense / dp, experts / edp, + 3 whole buckets (25 MiB, or all of a kind's grads if less)."""
+    from moecompile.planner.cost_model import static_memory
+
+    D, X = tiny_profile.dense_params, tiny_profile.expert_params
+    assert (D, X) == (18592, 2 * 64 * 3 * 32 * 64)  # tiny-llama: 2 layers x E=64 x (gate, up, down) x H x F
+    assert tiny_profile.largest_params == (128 * 32, 64 * 2 * 64 * 32)  # the embedding; one layer's w_gate_up
+    cl, MiB = tiny_cluster(8), 2**20
+    z1, z2 = (_mem(estimate(tiny_profile, cl, c, 8)) for c in (_zero1(tiny_profile, 2, True), _zero2(tiny_profile, 2)))
+    # ep=2 on 8 GPUs: dp=8, edp=4; the experts' 786432 B of grads per rank are less than a bucket: one bucket
+    assert z1["grads"] == (D + X / 2) * 2
+    assert z2["grads"] == pytest.approx((D / 8 + X / 2 / 4) * 2 + 3 * (X / 2 * 2))
+    assert z2["params"] == z1["params"] and z2["optimizer"] == z1["optimizer"]  # only the gradients change
+    assert z2["grads"] > z1["grads"]  # a tiny model: the buckets in flight outweigh what the range saves
+    # buckets of one parameter each (bucket_mb ~ 0): the largest parameter of a sharded kind, per rank
+    tiny_buckets = _mem(estimate(tiny_profile, cl, _zero2(tiny_profile, 2, bucket_mb=1e-6), 8))
+    assert tiny_buckets["grads"] == pytest.approx((D / 8 + X / 8) * 2 + 3 * (64 * 2 * 64 * 32 / 2 * 2))
+    # ep=8 on 8 GPUs: experts have no replica (edp=1), their grads stay whole and no expert bucket is in flight
+    full_ep = _mem(estimate(tiny_profile, cl, _zero2(tiny_profile, 8), 8))
+    assert full_ep["grads"] == pytest.approx((D / 8 + X / 8) * 2 + 3 * (D * 2))
+    # past the bucket size, sharding saves: 2000 MoE layers (D, X ~ 10 M, 786 M elements), 25 MiB buckets
+    big = _deep(tiny_profile, 1000)
+    Db, Xb = big.dense_params, big.expert_params
+    z1b, z2b = (_mem(estimate(big, cl, c, 8)) for c in (_zero1(big, 1, True), _zero2(big, 1)))
+    assert z2b["grads"] == pytest.approx((Db + Xb) / 8 * 2 + 3 * 25 * MiB)
+    assert z1b["grads"] - z2b["grads"] > 1e9
+    assert (static_memory(big, _zero1(big, 1, True), 8) - static_memory(big, _zero2(big, 1), 8)
+            == pytest.approx(z1b["grads"] - z2b["grads"]))
+    assert "zero2" in _zero2(big, 1).describe() and "zero1" not in _zero2(big, 1).describe()
+    assert "3 whole buckets in flight" in next(t.detail for t in estimate(big, cl, _zero2(big, 1), 8).memory
+                                               if t.name == "grads")
+
+
+def _deep(profile, factor: int):
+    """``profile`` with ``factor`` x its MoE layers: many parameters, none larger than before."""
+    layers = [dataclasses.replace(lp, count=lp.count * factor) if lp.kind == "moe" else lp for lp in profile.layers]
+    return dataclasses.replace(profile, layers=layers)
+
+
+def test_sharded_gradients_reduce_scatter_every_micro_batch(tiny_profile):
+    """m micro-batches: m reduce-scatters of the gradients and one all-gather; one micro-batch: ZeRO-1's sync."""
+    cl = tiny_cluster(16)
+    for ep in (1, 2, 16):
+        sync = {}
+        for mb in (1, 2, 4):  # 4 sequences per GPU: m = 4, 2, 1
+            z1, z2 = (estimate(tiny_profile, cl, c, 64) for c in (_zero1(tiny_profile, ep, True, micro_batch=mb),
+                                                                  _zero2(tiny_profile, ep, micro_batch=mb)))
+            sync[mb] = z2.term("gradient sync")
+            assert z2.term("optimizer") == z1.term("optimizer") and z2.term("backward") == z1.term("backward")
+            if mb == 4:
+                assert z2.term("gradient sync") == z1.term("gradient sync") and z2.step_s == z1.step_s
+            else:
+                assert z2.term("gradient sync") > z1.term("gradient sync") and z2.step_s > z1.step_s
+            assert f"per micro-batch (x{4 // mb})" in next(t.detail for t in z2.terms if t.name == "gradient sync")
+        # linear in m: each more micro-batch adds one more reduce-scatter of the same bytes
+        assert sync[1] - sync[2] == pytest.approx(2 * (sync[2] - sync[4]))
+        assert sync[2] > sync[4]
+
+
+def _zero2_memory(big, gpus: int) -> float:
+    """GPU bytes between the smallest zero2 plan (fits) and the smallest zero1 one (does not)."""
+    z2 = min(estimate(big, tiny_cluster(gpus), _zero2(big, ep), gpus).memory_bytes for ep in (1, 2, 4, 8))
+    z1 = min(estimate(big, tiny_cluster(gpus), _zero1(big, ep, True), gpus).memory_bytes for ep in (1, 2, 4, 8))
+    assert z2 < z1  # at ep=8 (edp=1) only the dense grads shard: 104 M elements, 180 MB more than 3 buckets
+    return (z1 + z2) / 2 / tiny_cluster(gpus).usable_memory_fraction
+
+
+def test_the_search_shards_the_gradients_when_only_that_fits(tiny_profile):
+    big = _deep(tiny_profile, 10000)
+    space = dataclasses.replace(EVERYTHING, recompute_sets=((),), fp8_recipes=("none",), micro_batches=(1,))
+    cl = dataclasses.replace(tiny_cluster(8), memory_bytes=_zero2_memory(big, 8))
+    report = _search(big, cl, 8, space)
+    assert report.ranked and all(e.candidate.shard_gradients for e in report.ranked)
+    assert "zero2" in report.table()
+    assert any(e.candidate.distributed_optimizer and not e.candidate.shard_gradients for e, _ in report.rejected)
+    with pytest.raises(MoecompileError, match="no plan"):  # without it nothing fits
+        _search(big, cl, 8, dataclasses.replace(space, shard_gradients=(False,))).best
+    # one micro-batch: zero2 costs what zero1 does, and on the tie the less sharded plan ranks first
+    from moecompile.planner.search import _rank_key
+
+    z2, z1, off = (estimate(big, tiny_cluster(8), c, 8) for c in (_zero2(big, 4), _zero1(big, 4, True),
+                                                                 _zero1(big, 4, False)))
+    assert z2.step_s == z1.step_s
+    ordered = sorted([z2, z1, dataclasses.replace(off, step_s=z1.step_s)], key=_rank_key)
+    assert [(e.candidate.distributed_optimizer, e.candidate.shard_gradients) for e in ordered] == \
+        [(False, False), (True, False), (True, True)]
+    assert sorted([dataclasses.replace(z2, step_s=z1.step_s / (1 + 3 * TIE)), z1], key=_rank_key)[0] is not z1
+
+
+def test_cli_plan_shard_gradients(tmp_path, capsys, monkeypatch, tiny_profile):
+    """--shard-gradients on writes parallel.shard_gradients: true; auto chooses it where only it fits."""
+    import moecompile.planner as planner
+    from moecompile.cli import main
+
+    out = tmp_path / "p.yaml"
+    args = ["plan", "--model", "tiny-llama", "--experts", '{"num_experts": 64, "top_k": 2}', "--gpus", "8",
+            "--global-batch", "8", "--seq-len", "8", "--micro-batches", "1", "--fp8", "none", "--out", str(out)]
+    assert main(args + ["--shard-gradients", "on"]) == 0
+    assert "zero2" in capsys.readouterr().out and "zero1" not in out.read_text()
+    loaded = mc.Plan.from_file(out)
+    assert loaded.parallel.shard_gradients and loaded.parallel.shard_optimizer
+    assert "shard_gradients: true" in out.read_text()
+    assert main(args + ["--shard-gradients", "on", "--shard-optimizer", "off"]) == 2
+    assert "--shard-gradients on needs the sharded optimizer" in capsys.readouterr().err
+    # auto: a deep model on GPUs where only zero2 fits
+    big = _deep(tiny_profile, 10000)
+    memory = _zero2_memory(big, 8)
+    monkeypatch.setattr(planner, "preset", lambda name, gpus=None: tiny_cluster(gpus, memory_gb=memory / 1e9))
+    monkeypatch.setattr(planner, "profile_config", lambda *a, **k: big)
+    assert main(args) == 0
+    assert "zero2" in capsys.readouterr().out and mc.Plan.from_file(out).parallel.shard_gradients
+    assert main(args + ["--shard-gradients", "off"]) == 1  # gradients kept whole: nothing fits
     assert "no plan fits in memory" in capsys.readouterr().out
 
 

@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-optimizer", choices=("auto", "on", "off"), default="auto",
                    help="parallel.shard_optimizer (ZeRO-1): auto tries both on more than one GPU; off for an "
                         "optimizer that is not elementwise")
+    p.add_argument("--shard-gradients", choices=("auto", "on", "off"), default="auto",
+                   help="parallel.shard_gradients (ZeRO-2, on top of ZeRO-1): auto tries both wherever the optimizer "
+                        "is sharded; on shards both in every plan")
     p.add_argument("--top", type=int, default=5, help="plans to show")
     p.add_argument("--explain", action="store_true", help="print every term of the best plan's estimate")
     p.add_argument("--out", default=None, help="write the best plan here (plan.yaml)")
@@ -43,8 +46,13 @@ def run(args: argparse.Namespace) -> int:
         space = SearchSpace.available(**overrides)
         if args.fp8:
             space = dataclasses.replace(space, fp8_recipes=tuple(r for r in args.fp8.split(",") if r))
-        if args.shard_optimizer != "auto":
-            space = dataclasses.replace(space, shard_optimizer=(args.shard_optimizer == "on",))
+        if args.shard_gradients == "on" and args.shard_optimizer == "off":
+            raise MoecompileError("--shard-gradients on needs the sharded optimizer (its ranges are the gradients' "
+                                  "ranges): drop --shard-optimizer off, or use --shard-gradients off")
+        if args.shard_optimizer != "auto" or args.shard_gradients == "on":
+            space = dataclasses.replace(space, shard_optimizer=(args.shard_optimizer != "off",))
+        if args.shard_gradients != "auto":
+            space = dataclasses.replace(space, shard_gradients=(args.shard_gradients == "on",))
         report = plan_for(args.model, args.cluster, gpus=args.gpus, global_batch=args.global_batch,
                           seq_len=args.seq_len, experts=experts, space=space,
                           progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))

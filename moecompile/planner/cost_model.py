@@ -21,11 +21,18 @@ The model, per micro-batch and rank (T tokens of the micro-batch, /tp with seque
   parameters over the expert-data-parallel ranks; the AdamW update streams every parameter.
   With ``parallel.shard_optimizer`` (ZeRO-1, "zero1") a reduce-scatter of the gradients and an
   all-gather of the parameters replace the all-reduce (the same bytes when gradients are in the
-  parameter dtype), and each rank updates only its range: dense / dp, experts / edp.
+  parameter dtype), and each rank updates only its range: dense / dp, experts / edp. With
+  ``parallel.shard_gradients`` too (ZeRO-2, "zero2") each bucket is reduce-scattered once per
+  micro-batch, as backward completes it, instead of once per step: m micro-batches move m times
+  ZeRO-1's reduce-scatter bytes (one micro-batch: exactly ZeRO-1's); the all-gather stays once a
+  step. Counted as exposed, not hidden behind backward: nothing has measured how much of it NCCL
+  overlaps while backward's kernels compete for the same SMs and HBM (gloo's exchange blocks), and
+  ZeRO-1's sync after backward is counted exposed too, so ZeRO-2 never looks faster than ZeRO-1.
 - memory: parameters, gradients and optimizer state per rank (experts / ep) and the activations
   the graph keeps for backward, from the memory estimator (or moecompile.costs when it is absent).
   Sharded, a rank keeps the AdamW states, fp32 masters and their grads of its range only; the
-  parameters and the model-dtype gradient buckets stay whole.
+  parameters and the model-dtype gradient buckets stay whole, except under ZeRO-2: its range of the
+  gradients plus the pool of whole bucket buffers in flight (:func:`in_flight_bytes`).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import dataclasses
 from typing import Any
 
 from ..costs import human
+from ..grad_shards import IN_FLIGHT
 from .cluster import GiB, Cluster, Span
 from .profile import LayerProfile, ModelProfile, NodeCost
 
@@ -41,6 +49,9 @@ from .profile import LayerProfile, ModelProfile, NodeCost
 BACKWARD_FACTOR = 2.0  # backward = dgrad + wgrad = 2x the forward's FLOPs and bytes (the usual 6N rule)
 CAUSAL_FRACTION = 0.5  # causal attention kernels skip the masked half of the S x S scores
 ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32 per parameter (build_train_step keeps fp32 masters)
+# ZeRO-2's pool of whole bucket buffers a rank keeps: NCCL's IN_FLIGHT reduce-scatters + the bucket backward
+# fills (gloo keeps 2: one buffer and its exchange's receive bucket); the bound the runtime's pool stays under
+IN_FLIGHT_BUCKETS = IN_FLIGHT + 1
 _FP8_CATEGORY = {"experts": "experts", "shared_experts": "shared_experts", "dense": "dense_mlp",
                  "attention_proj": "attention_proj"}
 _EXPERT_COMPUTE = {"experts"}
@@ -64,6 +75,7 @@ class Candidate:
     grad_bytes: float | None = None  # per element; None: the parameter dtype
     assume_recompute: tuple[str, ...] = ()  # regions treated as recomputed though the graph has no marks
     assume_fp8: bool = False  # treat plan.fp8.modules GEMMs as FP8 though the graph has no FP8 ops
+    bucket_mb: float = 25.0  # build_train_step's gradient buckets (its default); ZeRO-2 keeps a few whole
 
     @property
     def ep(self) -> int:
@@ -73,6 +85,11 @@ class Candidate:
     def distributed_optimizer(self) -> bool:
         """ZeRO-1 / Megatron-Core's distributed optimizer: the plan's ``parallel.shard_optimizer``."""
         return self.plan.parallel.shard_optimizer
+
+    @property
+    def shard_gradients(self) -> bool:
+        """ZeRO-2: the plan's ``parallel.shard_gradients`` (it implies ``shard_optimizer``)."""
+        return bool(getattr(self.plan.parallel, "shard_gradients", False))
 
     def describe(self) -> str:
         p = self.plan
@@ -90,7 +107,7 @@ class Candidate:
         if self.ep_overlap_1f1b:
             parts.append("1f1b-a2a-overlap")
         if self.distributed_optimizer:
-            parts.append("zero1")
+            parts.append("zero2" if self.shard_gradients else "zero1")
         mods = list(p.recompute.modules) + [m for m in self.assume_recompute if m not in p.recompute.modules]
         if p.parallel.ep > 1 and p.experts.apply_weights == "combine":
             parts.append("weights@combine")
@@ -350,14 +367,19 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
     dense_p = profile.dense_params / (tp * pp)
     expert_p = profile.expert_params / (ep * pp)
     gbytes = cand.grad_bytes or profile.elem_bytes
-    passes = 1.0 + profile.elem_bytes / gbytes if cand.distributed_optimizer else 2.0
+    # ring passes over the gradient bytes: all-reduce 2; reduce-scatter 1 (ZeRO-2: one per micro-batch) + the
+    # parameters' all-gather in their own dtype
+    rs = m if cand.shard_gradients else 1.0
+    passes = rs + profile.elem_bytes / gbytes if cand.distributed_optimizer else 2.0
     t_dense = _ring(cluster, dense_p * gbytes, dp, tp, passes)
     t_exp = _ring(cluster, expert_p * gbytes, edp, ep * tp, passes)
     t_dp = t_dense + t_exp
     hideable = bwd / pp if cand.grad_sync_overlap else 0.0
     terms.append(Term("gradient sync", max(0.0, t_dp - hideable),
                       f"dense {human(dense_p)} params over dp={dp}, experts {human(expert_p)} over edp={edp}, "
-                      f"{'reduce-scatter + all-gather' if cand.distributed_optimizer else 'all-reduce'}"
+                      + (f"reduce-scatter per micro-batch (x{m:g}) + all-gather, not counted as hidden behind "
+                         "backward" if cand.shard_gradients else
+                         "reduce-scatter + all-gather" if cand.distributed_optimizer else "all-reduce")
                       + (", overlapped with the last backward" if cand.grad_sync_overlap else "")))
     # AdamW reads and writes the fp32 master and both states, reads the gradient, writes the parameter
     per_param = 2 * (4 + ADAMW_STATE_BYTES) + gbytes + profile.elem_bytes
@@ -397,9 +419,36 @@ def optimizer_params(profile: ModelProfile, cand: Candidate, gpus: int) -> float
     return dense / dp + experts / edp
 
 
+def grad_params(profile: ModelProfile, cand: Candidate, gpus: int) -> float:
+    """Parameter elements whose model-dtype gradient one rank keeps: all it holds, or with
+    ``parallel.shard_gradients`` its range of them (the optimizer's: dense / dp, experts / edp)."""
+    return optimizer_params(profile, cand, gpus) if cand.shard_gradients else params_per_rank(profile, cand)
+
+
+def in_flight_bytes(profile: ModelProfile, cand: Candidate, gpus: int) -> float:
+    """ZeRO-2's whole bucket buffers one rank keeps besides its range: IN_FLIGHT_BUCKETS x the largest
+    bucket that is sharded (a group of more than one rank); 0 without ``parallel.shard_gradients``.
+
+    A bucket is at most ``bucket_mb``, or one parameter bigger than that (a bucket of its own:
+    DeepSeek-V3's embedding is 1.85 GB), and at most all the gradients of its kind. The runtime's
+    pool holds at most IN_FLIGHT + 1 buffers between steps, each sized for one bucket: this is its bound.
+    """
+    if not cand.shard_gradients:
+        return 0.0
+    grad = per_param_bytes(profile, cand)[0]
+    dp, edp = dp_sizes(gpus, cand)
+    limit = cand.bucket_mb * 2**20
+    largest_dense, largest_expert = profile.largest_params
+    sizes = [min(total * grad, max(limit, largest * grad)) for total, largest, d in (
+        (profile.dense_params / (cand.tp * cand.pp), largest_dense / cand.tp, dp),
+        (profile.expert_params / (cand.ep * cand.pp), largest_expert / cand.ep, edp)) if d > 1]
+    return IN_FLIGHT_BUCKETS * max(sizes, default=0.0)
+
+
 def per_param_bytes(profile: ModelProfile, cand: Candidate) -> tuple[float, float, str]:
-    """Bytes per parameter element besides the parameter: (the gradient, whole on every rank; the optimizer
-    state ZeRO-1 shards: AdamW's two states, and for a low-precision model the fp32 master and its grad), and how.
+    """Bytes per parameter element besides the parameter: (the model-dtype gradient, which ZeRO-2 shards; the
+    optimizer state ZeRO-1 shards: AdamW's two states, and for a low-precision model the fp32 master and its
+    grad), and how.
 
     build_train_step keeps model-dtype gradient buckets and, for bf16, an fp32 copy as the master's .grad;
     with fp32 gradients (``grad_bytes=4``, Megatron's main_grad) the gradient is the master's own.
@@ -428,11 +477,16 @@ def _memory(profile: ModelProfile, cand: Candidate, gpus: int) -> list[Term]:
     where = "every parameter it holds"
     if cand.distributed_optimizer:
         dp, edp = dp_sizes(gpus, cand)
-        where = f"its range (zero1): dense / dp={dp}, experts / edp={edp}"
+        where = f"its range ({'zero2' if cand.shard_gradients else 'zero1'}): dense / dp={dp}, experts / edp={edp}"
+    graded = grad_params(profile, cand, gpus)
+    buckets = in_flight_bytes(profile, cand, gpus)
+    grads_how = (f"{human(graded)} elements x {grad:g} B, {where}, + {IN_FLIGHT_BUCKETS} whole buckets in flight "
+                 f"({human(buckets, 'B', 1024)})" if cand.shard_gradients else
+                 f"{human(graded)} elements x {grad:g} B, whole on every rank")
     act = profile.activation_bytes * cand.micro_batch / profile.micro_batch / cand.tp
     return [
         Term("params", params_rank * e, f"{human(params_rank)} elements x {e} B (experts / ep={cand.ep})"),
-        Term("grads", params_rank * grad, f"{human(params_rank)} elements x {grad:g} B, whole on every rank"),
+        Term("grads", graded * grad + buckets, grads_how),
         Term("optimizer", owned * state, f"{human(owned)} elements x {state:g} B ({how}), {where}"),
         Term("activations", act, f"kept for backward, micro-batch {cand.micro_batch} ({profile.memory_source})"),
     ]

@@ -97,6 +97,9 @@ class ModelProfile:
     state_bytes: tuple[float, float] | None = None
     approximate: bool = False
     notes: list[str] = dataclasses.field(default_factory=list)
+    # elements of the largest dense parameter and of the largest routed-expert tensor (all E experts): one
+    # bigger than a gradient bucket is a bucket of its own, which ZeRO-2 holds whole while it is in flight
+    largest_params: tuple[float, float] = (0.0, 0.0)
 
     @property
     def tokens(self) -> int:
@@ -305,6 +308,18 @@ def _params(result: Any) -> dict[int | None, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+def _largest(*results: Any, ep: int = 1) -> tuple[float, float]:
+    """(dense, expert) elements of the largest single parameter of ``results``; experts scaled to all E."""
+    dense = expert = 0.0
+    for result in results:
+        for name, p in result.module.named_parameters():
+            if ".experts." in f".{name}":
+                expert = max(expert, float(p.numel() * ep))
+            else:
+                dense = max(dense, float(p.numel()))
+    return dense, expert
+
+
 def _moe_bytes(pairs: list[tuple[fx.Node, NodeCost]]) -> tuple[float, float, float]:
     """(routed rows x_NH, hidden x_TH, per-row routing weights w_N) bytes of an MoE layer.
 
@@ -349,7 +364,8 @@ def measure_activations(result: Any, micro_batch: int) -> Memory:
         return Memory(float(c.activation_bytes), None,
                       "moecompile.costs activation_bytes (moecompile.memory not available)", None)
     try:
-        est = estimate_memory(result, batch=micro_batch, by_pass=False, shard_optimizer=False)  # per element, whole
+        est = estimate_memory(result, batch=micro_batch, by_pass=False, shard_optimizer=False,  # per element, whole
+                              shard_gradients=False)
     except MoecompileError as e:  # e.g. a graph whose shapes depend on the data (expert parallelism)
         c = costs.graph_costs(result.history[-1].graph)
         return Memory(float(c.activation_bytes), None, f"moecompile.costs activation_bytes (the memory estimator "
@@ -425,6 +441,7 @@ def _profile_cached(key: str, seq_len: int, micro_batch: int, sections: str) -> 
     moe = LayerProfile("moe", arch.n_moe, _costs_of(g1.get(0, [])), rows, hidden, *par1.get(0, (0.0, 0.0)),
                        activation_bytes=moe_act, row_weight_bytes=weights)
     layers = [base, moe]
+    largest = _largest(p1)
     if arch.n_dense:
         no_experts = {**plan, "experts": {**plan["experts"], "layers": []}}
         d1 = _meta_convert(arch.config(1, arch.dense_intermediate), no_experts, micro_batch, seq_len)
@@ -433,13 +450,14 @@ def _profile_cached(key: str, seq_len: int, micro_batch: int, sections: str) -> 
         layers.append(LayerProfile("dense", arch.n_dense, _costs_of(_split(d1).get(0, [])), 0.0, hidden,
                                    _params(d1).get(0, (0.0, 0.0))[0], 0.0, activation_bytes=dense_act))
         traced += " and 1 dense layer"
+        largest = (max(largest[0], _largest(d1)[0]), largest[1])
     experts = p1.plan.experts
     elem = next(p1.module.parameters()).element_size()
     approx = costs.graph_costs(p1.history[-1].graph).approximate
     notes = [f"traced {traced} on the meta device; scaled to {arch.n_moe} MoE + {arch.n_dense} dense layers"]
     return ModelProfile(spec.get("name", config.model_type), seq_len, micro_batch, config.hidden_size,
                         experts.num_experts, experts.top_k, elem, layers, p1.plan, m1.source, m1.state_bytes, approx,
-                        notes)
+                        notes, largest)
 
 
 def profile_config(model: Any, *, seq_len: int, micro_batch: int = 1, experts: dict | None = None,
@@ -497,7 +515,7 @@ def profile_result(result: Any) -> ModelProfile:
     return ModelProfile(type(result.module).__name__, int(seq_len), int(micro_batch), int(hidden), experts.num_experts,
                         experts.top_k, elem, layers, result.plan, mem.source, mem.state_bytes,
                         costs.graph_costs(result.history[-1].graph).approximate,
-                        [f"profiled the converted graph as is (ep={ep})"])
+                        [f"profiled the converted graph as is (ep={ep})"], _largest(result, ep=ep))
 
 
 def experts_param(result: Any) -> str | None:
