@@ -193,56 +193,46 @@ def _deepseek_v3():
     return transformers.DeepseekV3ForCausalLM(cfg)
 
 
-def test_moe_act_on_deepseek_v3_like_model_keeps_gradients(batch):
-    """Several grouped_mm nodes per layer (routed + shared experts, HF's own MoE around them): moe_act
-    recomputes every expert activation and the gradients stay bit-identical."""
-    model = _deepseek_v3()
+def _deepseek_v3_runs(model, batch, region: str) -> dict:
+    """(result, logits, grads) of the DeepSeek-V3-like model with nothing and with ``region`` recomputed."""
     experts = {"num_experts": 4, "top_k": 2, "shared_experts": 1, "score": "sigmoid", "expert_bias": True,
                "adopt": False}  # its MoE blocks (a selection bias, shared experts) stay Hugging Face's
     runs = {}
-    for name, rc in (("keep", {}), ("moe_act", {"modules": ["moe_act"]})):
+    for name, rc in (("keep", {}), (region, {"modules": [region]})):
         result = mc.convert(model, {"experts": experts, "recompute": rc}, (batch,))
         result.module.zero_grad(set_to_none=True)
         logits = result.module(batch).logits
         F.cross_entropy(logits[:, :-1].reshape(-1, 128), batch[:, 1:].reshape(-1)).backward()
         runs[name] = result, logits.detach(), {k: p.grad.clone() for k, p in result.module.named_parameters()
                                                if p.grad is not None}
-    result, logits, grads = runs["moe_act"]
-    regions = _regions(result)
-    assert len(regions) == 3  # the dense layer's upcycled FFN and both layers' shared experts
-    assert all(any(n.target is torch.ops.moecompile.glu.default for n in m.recompute.graph.nodes)
-               for m in regions.values())
     _, logits0, grads0 = runs["keep"]
+    _, logits, grads = runs[region]
     assert torch.equal(logits, logits0)
     assert grads.keys() == grads0.keys() and any(".experts." in k for k in grads)
     for k in grads0:
         assert torch.equal(grads[k], grads0[k]), k
+    return runs
+
+
+def test_moe_act_on_deepseek_v3_like_model_keeps_gradients(batch):
+    """Several grouped_mm nodes per layer (routed + shared experts, HF's own MoE around them): moe_act
+    recomputes every expert activation and the gradients stay bit-identical."""
+    regions = _regions(_deepseek_v3_runs(_deepseek_v3(), batch, "moe_act")["moe_act"][0])
+    assert len(regions) == 3  # the dense layer's upcycled FFN and both layers' shared experts
+    assert all(any(n.target is torch.ops.moecompile.glu.default for n in m.recompute.graph.nodes)
+               for m in regions.values())
 
 
 def test_attention_that_fills_its_own_buffer_in_place_recomputes(batch):
     """DeepSeek-V3's MLA writes its query / key halves into a new_empty with copy_: the region allocates
     what it writes, so it recomputes (it used to be refused as "an in-place op"), bit-identically."""
     model = _deepseek_v3()
-    experts = {"num_experts": 4, "top_k": 2, "shared_experts": 1, "score": "sigmoid", "expert_bias": True,
-               "adopt": False}
-    runs = {}
-    for name, rc in (("keep", {}), ("attention", {"modules": ["attention"]})):
-        result = mc.convert(model, {"experts": experts, "recompute": rc}, (batch,))
-        result.module.zero_grad(set_to_none=True)
-        logits = result.module(batch).logits
-        F.cross_entropy(logits[:, :-1].reshape(-1, 128), batch[:, 1:].reshape(-1)).backward()
-        runs[name] = result, logits.detach(), {k: p.grad.clone() for k, p in result.module.named_parameters()
-                                               if p.grad is not None}
-    result, logits, grads = runs["attention"]
-    regions = _regions(result)
+    runs = _deepseek_v3_runs(model, batch, "attention")
+    regions = _regions(runs["attention"][0])
     assert len(regions) == model.config.num_hidden_layers  # every layer's attention
     assert all(any(n.target is torch.ops.aten.copy_.default for n in m.recompute.graph.nodes) for m in regions.values())
-    assert mc.estimate_memory(result, by_pass=False).activations < \
+    assert mc.estimate_memory(runs["attention"][0], by_pass=False).activations < \
         mc.estimate_memory(runs["keep"][0], by_pass=False).activations
-    _, logits0, grads0 = runs["keep"]
-    assert torch.equal(logits, logits0)
-    for k in grads0:
-        assert torch.equal(grads[k], grads0[k]), k
 
 
 def test_an_in_place_write_to_a_tensor_from_outside_the_region_is_refused():
