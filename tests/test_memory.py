@@ -131,17 +131,22 @@ def test_fp32_parameters_have_no_masters(model, batch):
     assert mc.estimate_memory(result, state_dtype=torch.bfloat16, by_pass=False).optimizer == est.grads
 
 
-@pytest.fixture()
-def fake_world():
-    """A one-process ``fake`` process group posing as rank 0 of 2: convert per rank, no live collectives."""
+def _fake_world(world_size: int):
+    """A one-process ``fake`` process group posing as rank 0 of ``world_size``: no live collectives."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture()
+def fake_world():
+    """Rank 0 of a fake 2-process world: convert per rank."""
+    yield from _fake_world(2)
 
 
 @pytest.mark.parametrize("mode", ["dropless", "static"])
@@ -199,14 +204,7 @@ def test_sharded_optimizer_is_this_ranks_range_of_a_single_process_graph(batch):
 @pytest.fixture()
 def fake_world4():
     """Rank 0 of a fake 4-process world (ep=2: ep groups {0,1} {2,3}, edp groups {0,2} {1,3})."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+    yield from _fake_world(4)
 
 
 def test_sharded_optimizer_splits_dense_over_dp_and_experts_over_edp(model, batch, fake_world4):
