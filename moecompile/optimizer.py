@@ -6,9 +6,10 @@ only its range of each gradient bucket (:class:`moecompile.grad_sync.Shard`): a 
 parameter that shares its storage, or an fp32 copy of that part. So optimizer state and masters
 exist once across the ranks that reduce a bucket, never on every rank.
 
-The user's optimizer factory is called on the model's own parameters, so param groups built
-from them (no weight decay on norms, another lr for routers) keep their hyperparameters; each
-group then holds this rank's tensors in their place. A part of a parameter is only updated
+Sharded, the user's optimizer factory is called on the model's own parameters, so param groups
+built from them (no weight decay on norms, another lr for routers) keep their hyperparameters;
+each group then holds this rank's tensors in their place. (Unsharded it is called on the
+updated tensors, as before: the parameters, or their masters.) A part of a parameter is only updated
 correctly by an optimizer that works element by element, so sharding refuses any other.
 """
 
