@@ -61,9 +61,9 @@ def _build(variant: str, args: Any, rank: int, world: int, x: torch.Tensor) -> t
     dense, _ = build_model(args.model, batch_size=x.shape[0], seq_len=x.shape[1], seed=0)
     result = mc.convert(dense, plan, (x,), world=world_obj)
     if variant.startswith("moecompile"):
-        step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), precision="fp32",
-                                   world=world_obj, bucket_mb=args.bucket_mb)
-        return (lambda x, y: step(x, y).lm_loss), lambda: (step.optimizer_bytes(), step.buckets.grad_bytes())
+        ts = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), precision="fp32",
+                                 world=world_obj, bucket_mb=args.bucket_mb)
+        return (lambda x, y: ts(x, y).lm_loss), lambda: (ts.optimizer_bytes(), ts.buckets.grad_bytes())
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
     from transformers import AutoModelForCausalLM

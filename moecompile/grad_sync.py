@@ -296,7 +296,7 @@ class GradBuckets:
     def gather_params(self) -> None:
         """Sharded buckets: every rank's updated range of the parameters, to every rank (all-gather).
 
-        On gloo, as one broadcast from each range's owner: gloo's all_gather_single took 2-5x as long
+        On gloo, as one broadcast from each range's owner: gloo's all_gather_single took 2.0-5.5x as long
         as these broadcasts (2 ranks, 1-70 MiB; benchmarks/shard_optimizer.py --collectives).
         """
         handles = []
@@ -315,7 +315,7 @@ class GradBuckets:
     def reduce_scatter_by_exchange(self, b: Bucket, flat: torch.Tensor, out: torch.Tensor) -> None:
         """gloo: reduce-scatter ``flat`` into ``out`` as one all-to-all and a local sum of the d ranges received.
 
-        gloo's reduce_scatter_single took 1.2-1.6x its all-reduce of the bucket and 2.4-5x this (2 ranks,
+        gloo's reduce_scatter_single took 1.2-1.6x its all-reduce of the bucket and 2.4-5.3x this (2 ranks,
         1-70 MiB; benchmarks/shard_optimizer.py --collectives). The receive buffer is one bucket, kept.
         """
         if self._scratch is None or self._scratch.numel() < flat.numel() or self._scratch.dtype != flat.dtype:
@@ -327,7 +327,7 @@ class GradBuckets:
 
     def _reduced(self, kind: str | None = None) -> list[torch.Tensor]:
         """The reduced part of each bucket: its own range when sharded, else all of it."""
-        return [b.own_grad() if b.shards > 1 else b.flat for b in self.buckets if kind is None or b.kind == kind]
+        return [b.own_grad() for b in self.buckets if kind is None or b.kind == kind]
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm: dense grads are replicated, expert shards summed over the expert-parallel group.

@@ -87,20 +87,18 @@ def build_optimizer(factory: OptimizerFactory, params: list[nn.Parameter], updat
     for u in updates:
         mine.setdefault(id(u.shard.param), []).append(u.tensor)
     known = {id(p) for p in params}
-    groups = []
     for i, group in enumerate(optimizer.param_groups):
         stray = [tuple(p.shape) for p in group["params"] if id(p) not in known]
         if stray:
             raise MoecompileError(f"the optimizer's param_groups[{i}] holds tensors of shapes {stray[:3]} that are "
                                   "not the converted module's parameters; build it from the list the factory gets")
-        groups.append({**group, "params": [t for p in group["params"] for t in mine.get(id(p), [])]})
     if optimizer.state:  # built at construction (Adagrad's sums): each tensor keeps its part of it
         built = optimizer.state
         optimizer.state = collections.defaultdict(dict)
         for u in updates:
             optimizer.state[u.tensor] = {k: _part_of(v, u) for k, v in built.get(u.shard.param, {}).items()}
-    for group, new in zip(optimizer.param_groups, groups):
-        group["params"] = new["params"]
+    for group in optimizer.param_groups:
+        group["params"] = [t for p in group["params"] for t in mine.get(id(p), [])]
     return optimizer
 
 

@@ -313,7 +313,8 @@ class TrainStep:
 def _first_use(gm: nn.Module) -> dict[str, int]:
     """Each parameter's first read in the forward graph, by position (backward completes them in reverse)."""
     out: dict[str, int] = {}
-    for i, node in enumerate(getattr(gm, "graph", None).nodes if hasattr(gm, "graph") else ()):
+    graph = getattr(gm, "graph", None)
+    for i, node in enumerate(graph.nodes if graph is not None else ()):
         if node.op == "get_attr":
             out.setdefault(node.target, i)
     return out
