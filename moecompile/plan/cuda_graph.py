@@ -39,6 +39,13 @@ class CudaGraphConfig(Section):
 
     def check_against(self, parallel: object) -> None:
         """Rules between ``cuda_graph`` and ``parallel`` (called by ``Plan.validate``)."""
+        if self.mode != "none" and getattr(parallel, "shard_parameters", False):
+            self.fail(
+                "mode",
+                f"{self.mode!r} replays recorded kernels, but parallel.shard_parameters gathers and releases "
+                "parameters from Python hooks that a replay does not run. Set cuda_graph.mode: none, or "
+                "parallel.shard_parameters: false (ZeRO-2 captures)",
+            )
         if self.mode == "full" and getattr(parallel, "dispatch_mode", None) != "static":
             self.fail(
                 "mode",

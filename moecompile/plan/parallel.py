@@ -71,6 +71,14 @@ class ParallelConfig(Section):
         "a rank holds 1/d of the gradients plus two or three buckets in flight; one reduce-scatter per "
         "micro-batch instead of one per step. Needs shard_optimizer: true.",
     )
+    shard_parameters: bool = doc_field(
+        False,
+        "ZeRO-3 / FSDP, on top of shard_gradients: between uses a rank keeps only its range of each bucket's "
+        "parameters. A bucket is all-gathered just before the forward first reads it (the next one prefetched) "
+        "and released after its last read; backward gathers it again when it first needs it and releases it once "
+        "its gradients are in. Two all-gathers and one reduce-scatter per bucket a micro-batch; the step's "
+        "all-gather after the optimizer goes. Needs shard_gradients: true and cuda_graph.mode: none.",
+    )
     timeout_s: float = doc_field(
         300.0,
         "Seconds a collective waits for its peers before failing with a DistributedError that names it "
@@ -87,6 +95,9 @@ class ParallelConfig(Section):
         if self.shard_gradients and not self.shard_optimizer:
             self.fail("shard_gradients", "shards the gradients of the ranges shard_optimizer gives each rank: set "
                       "parallel.shard_optimizer: true as well")
+        if self.shard_parameters and not self.shard_gradients:
+            self.fail("shard_parameters", "shards the parameters of the ranges whose gradients shard_gradients "
+                      "keeps: set parallel.shard_optimizer: true and parallel.shard_gradients: true as well")
 
     def packs_routing_weights(self, rows_bytes: float, device_type: str) -> bool:
         """Whether the alltoall dispatch sends the routing weights inside the rows' exchange."""
