@@ -38,10 +38,9 @@ from torch._subclasses import FakeTensorMode
 
 from .costs import human, node_flops
 from .errors import MoecompileError
-from .grad_shards import IN_FLIGHT
 from .grad_sync import expert_parameters
 from .graph import module_path
-from .memory_shards import optimizer_ranks, ranged_bytes, sharded_buckets
+from .memory_shards import optimizer_ranks, ranged_bytes, sharded_state
 from .meta import Role, moe
 
 CATEGORIES = ("attention", "router", "experts", "permutation", "layernorm", "mlp", "embedding", "other")
@@ -350,6 +349,8 @@ class MemoryEstimate:
     edp: int = 1  # ranks the expert ranges are split over (dp / ep) when sharded
     shard_gradients: bool = False  # model-dtype grads are this rank's range too, + buckets in flight (ZeRO-2)
     in_flight_grads: int = 0  # the part of ``grads`` that is ZeRO-2's whole bucket buffers in flight
+    shard_parameters: bool = False  # parameters are this rank's range too, + buckets gathered (ZeRO-3)
+    in_flight_params: int = 0  # the part of ``params`` that is ZeRO-3's whole parameter buckets gathered
 
     @property
     def total(self) -> int:
@@ -373,11 +374,14 @@ class MemoryEstimate:
         if self.by_pass:
             lines.append("  after pass: " + ", ".join(f"{p.name} {b(p.activations)}" for p in self.by_pass))
         if self.shard_optimizer:
-            what = ("optimizer, masters and all grads (parallel.shard_gradients)" if self.shard_gradients else
+            what = ("params, optimizer, masters and all grads (parallel.shard_parameters)" if self.shard_parameters
+                    else "optimizer, masters and all grads (parallel.shard_gradients)" if self.shard_gradients else
                     "optimizer, masters and their grads (parallel.shard_optimizer)")
             lines.append(f"  {what}: this rank's range, dense / dp={self.dp}, experts / edp={self.edp}")
         if self.in_flight_grads:
             lines.append(f"  grads include {b(self.in_flight_grads)} of whole gradient buckets in flight (ZeRO-2)")
+        if self.in_flight_params:
+            lines.append(f"  params include {b(self.in_flight_params)} of whole parameter buckets gathered (ZeRO-3)")
         return "\n".join(lines)
 
 
@@ -402,8 +406,8 @@ def example_inputs(result: Any, batch: Any = None) -> list[Any]:
 
 def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw", state_dtype: torch.dtype | None = None,
                     master_weights: bool | None = None, by_pass: bool = True, shard_optimizer: bool | None = None,
-                    dp: int | None = None, shard_gradients: bool | None = None,
-                    bucket_mb: float = 25.0) -> MemoryEstimate:
+                    dp: int | None = None, shard_gradients: bool | None = None, bucket_mb: float = 25.0,
+                    shard_parameters: bool | None = None) -> MemoryEstimate:
     """Per-rank memory of ``result`` (a ConversionResult) for a training step; nothing real runs.
 
     On an expert-parallel graph (``parallel.ep`` > 1, converted on this rank) every figure is this
@@ -432,6 +436,10 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
     x the largest sharded bucket of ``bucket_mb`` (build_train_step's) or of one larger parameter; the
     bound build_train_step's pool stays under between steps on NCCL (gloo keeps 2). A bucket over a
     group of one rank (experts at edp = 1) stays whole.
+
+    ``shard_parameters`` (None: ``plan.parallel.shard_parameters`` where shard_gradients is on): ZeRO-3, the
+    parameters are this rank's range too, plus the whole buckets gathered (``in_flight_params``):
+    IN_FLIGHT_PARAM_BUCKETS = 2 (the one read and the next, prefetched) x the largest sharded bucket.
     """
     if optimizer not in _OPTIMIZER_STATES:
         raise MoecompileError(f"estimate_memory: optimizer {optimizer!r} unknown; use one of {', '.join(_OPTIMIZER_STATES)}")
@@ -451,9 +459,7 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
             "batch size: convert with dynamic=True to estimate other batches"
         ) from e
     named = dict(gm.named_parameters())  # shared parameters once
-    p_bytes = sum(p.numel() * p.element_size() for p in named.values())
     trainable = {n: p for n, p in named.items() if p.requires_grad}
-    g_bytes = sum(p.numel() * p.element_size() for p in trainable.values())  # the model-dtype buckets, whole
     experts = set(expert_parameters(gm))
     if master_weights is None:  # build_train_step: bf16 parameters train through fp32 masters
         master_weights = any(p.dtype != torch.float32 for p in trainable.values())
@@ -465,11 +471,16 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
         raise MoecompileError("estimate_memory: shard_gradients=True needs shard_optimizer (ZeRO-2 keeps the "
                               "gradients of the ranges ZeRO-1 gives each rank): pass shard_optimizer=True too, or "
                               "shard_gradients=False")
-    in_flight = 0
-    if shard_gradients:  # this rank's range, and the pool of whole buckets backward fills and sends
-        g_bytes = ranged(lambda p: p.element_size())
-        largest, count = sharded_buckets(trainable, experts, dp, edp, bucket_mb)
-        in_flight = min(IN_FLIGHT + 1, count) * largest
+    if shard_parameters is None:
+        shard_parameters = result.plan.parallel.shard_parameters and bool(shard_gradients)
+    if shard_parameters and not shard_gradients:
+        raise MoecompileError("estimate_memory: shard_parameters=True needs shard_gradients (ZeRO-3 keeps the "
+                              "parameters of the ranges whose gradients ZeRO-2 keeps): pass shard_gradients=True "
+                              "and shard_optimizer=True too, or shard_parameters=False")
+    # this rank's ranges, the pool of whole gradient buckets backward fills and sends, the parameter buckets gathered
+    mine, g_bytes, in_flight, gathered = sharded_state(trainable, experts, dp, edp, bucket_mb,
+                                                       grads=bool(shard_gradients), params=bool(shard_parameters))
+    p_bytes = mine + gathered + sum(p.numel() * p.element_size() for p in named.values() if not p.requires_grad)
     m_bytes = ranged(lambda p: 4) if master_weights else 0  # the masters and, as much, their fp32 .grad
     if state_dtype is not None:
         size = torch.empty((), dtype=state_dtype).element_size()
@@ -495,6 +506,7 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
         by_layer=dict(sorted(by_layer.items(), key=lambda kv: _layer_order(kv[0]))), by_pass=history,
         tokens=tokens, profile=profile, masters=m_bytes, expert_params=x_bytes, master_grads=m_bytes,
         shard_optimizer=shard, dp=dp, edp=edp, shard_gradients=bool(shard_gradients), in_flight_grads=in_flight,
+        shard_parameters=bool(shard_parameters), in_flight_params=gathered,
     )
 
 

@@ -6,6 +6,8 @@ rank keeps optimizer states, fp32 masters and their grads for that range only.
 ``parallel.shard_gradients`` (ZeRO-2) keeps the model-dtype gradients of the range too, plus a pool
 of whole bucket buffers in flight (moecompile/grad_shards.py), whose size is the buckets' layout
 (moecompile/grad_sync.py), computed here without allocating them.
+``parallel.shard_parameters`` (ZeRO-3) keeps the parameters of the range only too, plus the whole
+sharded buckets gathered while forward or backward reads them (moecompile/param_shards.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from typing import Any, Callable
 import torch
 
 from .errors import MoecompileError
+from .grad_shards import IN_FLIGHT
 from .grad_sync import ALIGN_BYTES
+
+# Whole sharded parameter buckets a rank holds gathered at once under ZeRO-3: the one forward (or backward)
+# reads and the next, prefetched. Mirrors the runtime's prefetch depth of one bucket (param_shards.py).
+IN_FLIGHT_PARAM_BUCKETS = 2
 
 
 def optimizer_ranks(result: Any, shard: bool | None, dp: int | None, ep: int) -> tuple[bool, int, int]:
@@ -66,3 +73,21 @@ def sharded_buckets(trainable: dict[str, torch.nn.Parameter], experts: set[str],
                 bucket[1] += -(-p.numel() // align) * align
                 largest = max(largest, -(-bucket[1] // (d * align)) * d * align * size)
     return largest, count
+
+
+def sharded_state(trainable: dict[str, torch.nn.Parameter], experts: set[str], dp: int, edp: int, bucket_mb: float,
+                  *, grads: bool, params: bool) -> tuple[int, int, int, int]:
+    """Bytes a rank keeps of the trainable parameters and their model-dtype gradients: (parameters, gradients,
+    ZeRO-2's whole gradient buckets in flight, ZeRO-3's whole parameter buckets gathered).
+
+    ``grads`` (ZeRO-2): the gradients are this rank's range, + min(IN_FLIGHT + 1, sharded buckets) x the
+    largest. ``params`` (ZeRO-3, needs ``grads``): the parameters are the range too, + min(IN_FLIGHT_PARAM_BUCKETS,
+    sharded buckets) x the largest, in the model dtype (a bucket's parameters and gradients share its layout).
+    """
+    whole = sum(p.numel() * p.element_size() for p in trainable.values())
+    if not grads:
+        return whole, whole, 0, 0
+    mine = ranged_bytes(trainable, experts, dp, edp)(lambda p: p.element_size())
+    largest, count = sharded_buckets(trainable, experts, dp, edp, bucket_mb)
+    gathered = min(IN_FLIGHT_PARAM_BUCKETS, count) * largest if params else 0
+    return (mine if params else whole), mine, min(IN_FLIGHT + 1, count) * largest, gathered

@@ -310,3 +310,63 @@ def test_sharded_gradients_estimate_matches_what_the_training_step_keeps(batch, 
         assert kept < whole and mine < whole
     else:  # two buckets of a tiny model: in flight they outweigh the savings, and the estimate says so
         assert kept > whole and mine > whole
+
+
+# --- parallel.shard_parameters (ZeRO-3): a rank keeps its range of the parameters, + 2 whole buckets gathered --
+
+
+def test_sharded_parameters_are_this_ranks_range_plus_the_buckets_gathered(batch, fake_world4):
+    """4 ranks, ep=2 (dense / dp=4, experts / edp=2): bf16 params are the range + 2 of the largest buckets;
+    grads, optimizer and masters are ZeRO-2's; without ZeRO-2 it is an error naming the fix."""
+    import dataclasses
+
+    model = tiny_hf("llama").to(torch.bfloat16)
+    plan = {"experts": EXPERTS, "parallel": {"ep": 2, "shard_optimizer": True, "shard_gradients": True,
+                                             "shard_parameters": True}}
+    result = mc.convert(model, plan, (batch,))
+    dense, expert = _counts(result)  # this rank's E/ep = 2 experts
+    named = dict(result.module.named_parameters())
+    experts = [p for name, p in named.items() if ".experts.w_" in name]
+    whole_dense = [p for name, p in named.items() if ".experts.w_" not in name]
+    z3 = mc.estimate_memory(result, by_pass=False)
+    z2 = mc.estimate_memory(result, by_pass=False, shard_parameters=False)
+    assert (z3.shard_parameters, z3.dp, z3.edp) == (True, 4, 2) and not z2.shard_parameters
+    # one 25 MiB bucket per kind: both gathered at once at most, the bigger of them counted twice
+    assert z3.in_flight_params == 2 * max(_padded(whole_dense, 4), _padded(experts, 2)) > 0
+    assert z3.params == 2 * (-(-dense // 4) + -(-expert // 2)) + z3.in_flight_params
+    assert z2.params == 2 * (dense + expert) and z2.in_flight_params == 0
+    assert (z3.grads, z3.optimizer, z3.masters, z3.in_flight_grads) == (z2.grads, z2.optimizer, z2.masters,
+                                                                         z2.in_flight_grads)
+    assert z3.total - z2.total == z3.params - z2.params
+    text = str(z3)
+    assert "whole parameter buckets gathered (ZeRO-3)" in text and "params, optimizer, masters and all grads" in text
+    # 1 KiB buckets: every parameter a bucket of its own; 2 of the largest gathered, far less than zero2's whole
+    small = mc.estimate_memory(result, by_pass=False, bucket_mb=2**-10)
+    sizes = [_padded([p], 2 if ".experts.w_" in n else 4) for n, p in named.items()]
+    assert small.in_flight_params == 2 * max(sizes)
+    assert small.params - small.in_flight_params == z3.params - z3.in_flight_params < z2.params
+    # the plan's field by default, only where the gradients are sharded; asked for without them: an error
+    zero2_plan = dataclasses.replace(result, plan=result.plan.replace(parallel={"shard_parameters": False}))
+    assert mc.estimate_memory(zero2_plan, by_pass=False).params == z2.params
+    assert mc.estimate_memory(zero2_plan, by_pass=False, shard_parameters=True).params == z3.params
+    zero1 = mc.estimate_memory(result, by_pass=False, shard_gradients=False)
+    assert not zero1.shard_parameters and zero1.params == z2.params
+    with pytest.raises(mc.MoecompileError, match="shard_parameters=True needs shard_gradients"):
+        mc.estimate_memory(result, by_pass=False, shard_gradients=False, shard_parameters=True)
+    with pytest.raises(mc.MoecompileError, match="shard_parameters=True needs shard_gradients"):
+        mc.estimate_memory(result, by_pass=False, shard_optimizer=False, shard_parameters=True)
+
+
+def test_sharded_parameters_change_nothing_on_one_rank(batch):
+    """A single process (dp = 1): no bucket is split, so the parameters stay whole and none is gathered."""
+    model = tiny_hf("llama").to(torch.bfloat16)
+    plan = {"experts": EXPERTS, "parallel": {"shard_optimizer": True, "shard_gradients": True,
+                                             "shard_parameters": True}}
+    result = mc.convert(model, plan, (batch,))
+    dense, expert = _counts(result)
+    one = mc.estimate_memory(result, by_pass=False)
+    assert one.shard_parameters and one.params == 2 * (dense + expert) and one.in_flight_params == 0
+    four = mc.estimate_memory(result, by_pass=False, dp=4)  # one rank of a 4-rank ep=1 run
+    assert four.params == 2 * (-(-dense // 4) + -(-expert // 4)) + four.in_flight_params
+    assert four.params > one.params  # a tiny model: its two whole buckets (one per kind) outweigh what the range saves
+    assert mc.estimate_memory(result, by_pass=False, dp=4, bucket_mb=2**-10).params < one.params  # small ones don't
