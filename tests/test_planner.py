@@ -343,20 +343,19 @@ def test_one_gpu_never_shards_the_optimizer():
     cands, _ = enumerate_candidates(TINY, tiny_cluster(1), 2, SPACE)
     assert cands and not any(c.plan.parallel.shard_optimizer for c in cands)
     cands, _ = enumerate_candidates(TINY, tiny_cluster(8), 8, SPACE)
-    levels = {level: [c for c in cands if (c.distributed_optimizer, c.shard_gradients) == level]
-              for level in ((False, False), (True, False), (True, True))}
-    assert len(levels[(False, False)]) * 3 == len(cands)  # every plan unsharded, zero1 and zero2
-    key = lambda c: (repr(c.plan.replace(parallel={"shard_gradients": False, "shard_optimizer": False})),  # noqa: E731
-                     c.micro_batch)
-    assert sorted(map(key, levels[(True, False)])) == sorted(map(key, levels[(False, False)]))
-    assert sorted(map(key, levels[(True, True)])) == sorted(map(key, levels[(False, False)]))
+    levels = {z: [c for c in cands if c.zero == z] for z in ("", "zero1", "zero2", "zero3")}
+    assert len(levels[""]) * 4 == len(cands)  # every plan unsharded, zero1, zero2 and zero3
+    unshard = {"shard_parameters": False, "shard_gradients": False, "shard_optimizer": False}
+    key = lambda c: (repr(c.plan.replace(parallel=unshard)), c.micro_batch)  # noqa: E731
+    for z in ("zero1", "zero2", "zero3"):
+        assert sorted(map(key, levels[z])) == sorted(map(key, levels[""])), z
     # sharding is the cost model's alone: a sharded plan profiles (traces) the graph of its unsharded twin
     from moecompile.planner.search import iter_sections
 
-    sections = {key(c): iter_sections(c) for c in levels[(False, False)]}
-    assert all(iter_sections(c) == sections[key(c)] for c in levels[(True, True)] + levels[(True, False)])
+    sections = {key(c): iter_sections(c) for c in levels[""]}
+    assert all(iter_sections(c) == sections[key(c)] for z in ("zero1", "zero2", "zero3") for c in levels[z])
     no_zero2 = enumerate_candidates(TINY, tiny_cluster(8), 8, dataclasses.replace(SPACE, shard_gradients=(False,)))[0]
-    assert len(no_zero2) * 3 == len(cands) * 2 and not any(c.shard_gradients for c in no_zero2)
+    assert len(no_zero2) * 4 == len(cands) * 2 and not any(c.shard_gradients for c in no_zero2)
 
 
 def test_cli_plan_writes_shard_optimizer_when_it_is_what_fits(tmp_path, capsys, monkeypatch, tiny_profile):

@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-gradients", choices=("auto", "on", "off"), default="auto",
                    help="parallel.shard_gradients (ZeRO-2, on top of ZeRO-1): auto tries both wherever the optimizer "
                         "is sharded; on shards both in every plan")
+    p.add_argument("--shard-parameters", choices=("auto", "on", "off"), default="auto",
+                   help="parallel.shard_parameters (ZeRO-3 / FSDP, on top of ZeRO-2): auto tries both wherever the "
+                        "gradients are sharded; on shards all three in every plan")
     p.add_argument("--top", type=int, default=5, help="plans to show")
     p.add_argument("--explain", action="store_true", help="print every term of the best plan's estimate")
     p.add_argument("--out", default=None, help="write the best plan here (plan.yaml)")
@@ -49,10 +52,17 @@ def run(args: argparse.Namespace) -> int:
         if args.shard_gradients == "on" and args.shard_optimizer == "off":
             raise MoecompileError("--shard-gradients on needs the sharded optimizer (its ranges are the gradients' "
                                   "ranges): drop --shard-optimizer off, or use --shard-gradients off")
-        if args.shard_optimizer != "auto" or args.shard_gradients == "on":
+        if args.shard_parameters == "on" and "off" in (args.shard_optimizer, args.shard_gradients):
+            raise MoecompileError("--shard-parameters on needs the sharded optimizer and gradients (ZeRO-3 shards "
+                                  "the parameters of their ranges): drop --shard-optimizer off / --shard-gradients "
+                                  "off, or use --shard-parameters off")
+        grads = "on" if args.shard_parameters == "on" else args.shard_gradients  # ZeRO-3 implies ZeRO-2 and -1
+        if args.shard_optimizer != "auto" or grads == "on":
             space = dataclasses.replace(space, shard_optimizer=(args.shard_optimizer != "off",))
-        if args.shard_gradients != "auto":
-            space = dataclasses.replace(space, shard_gradients=(args.shard_gradients == "on",))
+        if grads != "auto":
+            space = dataclasses.replace(space, shard_gradients=(grads == "on",))
+        if args.shard_parameters != "auto":
+            space = dataclasses.replace(space, shard_parameters=(args.shard_parameters == "on",))
         report = plan_for(args.model, args.cluster, gpus=args.gpus, global_batch=args.global_batch,
                           seq_len=args.seq_len, experts=experts, space=space,
                           progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))

@@ -28,11 +28,18 @@ The model, per micro-batch and rank (T tokens of the micro-batch, /tp with seque
   step. Counted as exposed, not hidden behind backward: nothing has measured how much of it NCCL
   overlaps while backward's kernels compete for the same SMs and HBM (gloo's exchange blocks), and
   ZeRO-1's sync after backward is counted exposed too, so ZeRO-2 never looks faster than ZeRO-1.
+  With ``parallel.shard_parameters`` too (ZeRO-3, "zero3") every sharded bucket's parameters are
+  all-gathered twice per micro-batch (before forward reads them, prefetched one bucket ahead, and
+  again in backward) and the step's all-gather after the optimizer goes: m reduce-scatters in the
+  gradient dtype + 2m all-gathers in the parameter dtype, against ZeRO-2's m + 1. The gathers are
+  counted exposed for the reason ZeRO-2's reduce-scatters are: nothing has measured how much of
+  them the prefetch hides, so ZeRO-3 never looks faster than ZeRO-2 and is chosen for memory only.
 - memory: parameters, gradients and optimizer state per rank (experts / ep) and the activations
   the graph keeps for backward, from the memory estimator (or moecompile.costs when it is absent).
   Sharded, a rank keeps the AdamW states, fp32 masters and their grads of its range only; the
   parameters and the model-dtype gradient buckets stay whole, except under ZeRO-2: its range of the
-  gradients plus the pool of whole bucket buffers in flight (:func:`in_flight_bytes`).
+  gradients plus the pool of whole bucket buffers in flight (:func:`in_flight_bytes`), and under
+  ZeRO-3 its range of the parameters plus the whole buckets gathered (:func:`gathered_bytes`).
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from typing import Any
 
 from ..costs import human
 from ..grad_shards import IN_FLIGHT
+from ..memory_shards import IN_FLIGHT_PARAM_BUCKETS
 from .cluster import GiB, Cluster, Span
 from .profile import LayerProfile, ModelProfile, NodeCost
 
@@ -91,6 +99,18 @@ class Candidate:
         """ZeRO-2: the plan's ``parallel.shard_gradients`` (it implies ``shard_optimizer``)."""
         return bool(getattr(self.plan.parallel, "shard_gradients", False))
 
+    @property
+    def shard_parameters(self) -> bool:
+        """ZeRO-3: the plan's ``parallel.shard_parameters`` (it implies ``shard_gradients``)."""
+        return bool(getattr(self.plan.parallel, "shard_parameters", False))
+
+    @property
+    def zero(self) -> str:
+        """"zero3", "zero2", "zero1", or "" (unsharded): how much of the training state a rank shards."""
+        if not self.distributed_optimizer:
+            return ""
+        return "zero3" if self.shard_parameters else "zero2" if self.shard_gradients else "zero1"
+
     def describe(self) -> str:
         p = self.plan
         parts = [f"ep={p.parallel.ep}"]
@@ -107,7 +127,7 @@ class Candidate:
         if self.ep_overlap_1f1b:
             parts.append("1f1b-a2a-overlap")
         if self.distributed_optimizer:
-            parts.append("zero2" if self.shard_gradients else "zero1")
+            parts.append(self.zero)
         mods = list(p.recompute.modules) + [m for m in self.assume_recompute if m not in p.recompute.modules]
         if p.parallel.ep > 1 and p.experts.apply_weights == "combine":
             parts.append("weights@combine")
@@ -368,19 +388,30 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
     expert_p = profile.expert_params / (ep * pp)
     gbytes = cand.grad_bytes or profile.elem_bytes
     # ring passes over the gradient bytes: all-reduce 2; reduce-scatter 1 (ZeRO-2: one per micro-batch) + the
-    # parameters' all-gather in their own dtype
+    # parameters' all-gather in their own dtype (ZeRO-3: none after the step, two per micro-batch before use)
     rs = m if cand.shard_gradients else 1.0
-    passes = rs + profile.elem_bytes / gbytes if cand.distributed_optimizer else 2.0
+    ag = 0.0 if cand.shard_parameters else profile.elem_bytes / gbytes
+    passes = rs + ag if cand.distributed_optimizer else 2.0
     t_dense = _ring(cluster, dense_p * gbytes, dp, tp, passes)
     t_exp = _ring(cluster, expert_p * gbytes, edp, ep * tp, passes)
     t_dp = t_dense + t_exp
     hideable = bwd / pp if cand.grad_sync_overlap else 0.0
     terms.append(Term("gradient sync", max(0.0, t_dp - hideable),
                       f"dense {human(dense_p)} params over dp={dp}, experts {human(expert_p)} over edp={edp}, "
-                      + (f"reduce-scatter per micro-batch (x{m:g}) + all-gather, not counted as hidden behind "
+                      + (f"reduce-scatter per micro-batch (x{m:g}), no all-gather after the step (zero3 gathers "
+                         "before use), not counted as hidden behind backward" if cand.shard_parameters else
+                         f"reduce-scatter per micro-batch (x{m:g}) + all-gather, not counted as hidden behind "
                          "backward" if cand.shard_gradients else
                          "reduce-scatter + all-gather" if cand.distributed_optimizer else "all-reduce")
                       + (", overlapped with the last backward" if cand.grad_sync_overlap else "")))
+    if cand.shard_parameters:  # every sharded bucket gathered before forward reads it and again in backward
+        e = profile.elem_bytes
+        t_gather = _ring(cluster, dense_p * e, dp, tp, 2 * m) + _ring(cluster, expert_p * e, edp, ep * tp, 2 * m)
+        terms.append(Term("parameter gather", t_gather,
+                          f"all-gather of every sharded bucket's {e:g} B parameters twice per micro-batch (x{2 * m:g}): "
+                          "before forward reads it (the next bucket prefetched) and again in backward; dense over "
+                          f"dp={dp}, experts over edp={edp}; counted exposed: how much the prefetch hides behind "
+                          "compute is not measured"))
     # AdamW reads and writes the fp32 master and both states, reads the gradient, writes the parameter
     per_param = 2 * (4 + ADAMW_STATE_BYTES) + gbytes + profile.elem_bytes
     opt_bytes = optimizer_params(profile, cand, G) * per_param
@@ -435,14 +466,28 @@ def in_flight_bytes(profile: ModelProfile, cand: Candidate, gpus: int) -> float:
     """
     if not cand.shard_gradients:
         return 0.0
-    grad = per_param_bytes(profile, cand)[0]
+    return IN_FLIGHT_BUCKETS * largest_bucket(profile, cand, gpus, per_param_bytes(profile, cand)[0])
+
+
+def gathered_bytes(profile: ModelProfile, cand: Candidate, gpus: int) -> float:
+    """ZeRO-3's whole parameter buckets one rank holds gathered besides its range: IN_FLIGHT_PARAM_BUCKETS (the
+    bucket forward or backward reads and the next, prefetched) x the largest sharded bucket, in the parameter
+    dtype; 0 without ``parallel.shard_parameters``."""
+    if not cand.shard_parameters:
+        return 0.0
+    return IN_FLIGHT_PARAM_BUCKETS * largest_bucket(profile, cand, gpus, profile.elem_bytes)
+
+
+def largest_bucket(profile: ModelProfile, cand: Candidate, gpus: int, nbytes: float) -> float:
+    """Bytes of the largest bucket split over more than one rank, at ``nbytes`` per element: at most
+    ``bucket_mb``, or one parameter bigger than that, and at most all the parameters of its kind; 0 if none."""
     dp, edp = dp_sizes(gpus, cand)
     limit = cand.bucket_mb * 2**20
     largest_dense, largest_expert = profile.largest_params
-    sizes = [min(total * grad, max(limit, largest * grad)) for total, largest, d in (
+    sizes = [min(total * nbytes, max(limit, largest * nbytes)) for total, largest, d in (
         (profile.dense_params / (cand.tp * cand.pp), largest_dense / cand.tp, dp),
         (profile.expert_params / (cand.ep * cand.pp), largest_expert / cand.ep, edp)) if d > 1]
-    return IN_FLIGHT_BUCKETS * max(sizes, default=0.0)
+    return max(sizes, default=0.0)
 
 
 def per_param_bytes(profile: ModelProfile, cand: Candidate) -> tuple[float, float, str]:
@@ -477,15 +522,20 @@ def _memory(profile: ModelProfile, cand: Candidate, gpus: int) -> list[Term]:
     where = "every parameter it holds"
     if cand.distributed_optimizer:
         dp, edp = dp_sizes(gpus, cand)
-        where = f"its range ({'zero2' if cand.shard_gradients else 'zero1'}): dense / dp={dp}, experts / edp={edp}"
+        where = f"its range ({cand.zero}): dense / dp={dp}, experts / edp={edp}"
     graded = grad_params(profile, cand, gpus)
     buckets = in_flight_bytes(profile, cand, gpus)
     grads_how = (f"{human(graded)} elements x {grad:g} B, {where}, + {IN_FLIGHT_BUCKETS} whole buckets in flight "
                  f"({human(buckets, 'B', 1024)})" if cand.shard_gradients else
                  f"{human(graded)} elements x {grad:g} B, whole on every rank")
+    gathered = gathered_bytes(profile, cand, gpus)
+    params = (Term("params", owned * e + gathered, f"{human(owned)} elements x {e} B, {where}, + "
+                   f"{IN_FLIGHT_PARAM_BUCKETS} whole buckets gathered ({human(gathered, 'B', 1024)})")
+              if cand.shard_parameters else
+              Term("params", params_rank * e, f"{human(params_rank)} elements x {e} B (experts / ep={cand.ep})"))
     act = profile.activation_bytes * cand.micro_batch / profile.micro_batch / cand.tp
     return [
-        Term("params", params_rank * e, f"{human(params_rank)} elements x {e} B (experts / ep={cand.ep})"),
+        params,
         Term("grads", graded * grad + buckets, grads_how),
         Term("optimizer", owned * state, f"{human(owned)} elements x {state:g} B ({how}), {where}"),
         Term("activations", act, f"kept for backward, micro-batch {cand.micro_batch} ({profile.memory_source})"),

@@ -8,9 +8,10 @@ Legal means: ``ep`` divides both the number of experts and the GPUs, every rank 
 micro-batches of whole sequences, and the ``Plan`` built from the choice validates. An illegal
 combination is never produced; the EP sizes left out are listed in ``skipped`` with the reason.
 A plan that does not fit in memory is kept in ``rejected`` with its memory breakdown.
-``parallel.shard_optimizer`` (ZeRO-1) is tried on and off on more than one GPU, and where it is on,
-``parallel.shard_gradients`` (ZeRO-2) on and off: neither changes the graph (no variant is traced for
-them), only the memory of the optimizer and gradients and the time of their sync and update.
+``parallel.shard_optimizer`` (ZeRO-1) is tried on and off on more than one GPU, where it is on
+``parallel.shard_gradients`` (ZeRO-2) on and off, and where that is on ``parallel.shard_parameters``
+(ZeRO-3) on and off: none changes the graph (no variant is traced for them), only the memory of the
+parameters, optimizer and gradients and the time of their gathers, sync and update.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class SearchSpace:
     shard_optimizer: tuple[bool, ...] = (False, True)
     # parallel.shard_gradients tried for each plan whose optimizer is sharded
     shard_gradients: tuple[bool, ...] = (False, True)
+    # parallel.shard_parameters tried for each plan whose gradients are sharded
+    shard_parameters: tuple[bool, ...] = (False, True)
     notes: tuple[str, ...] = ()
 
     @classmethod
@@ -82,6 +85,9 @@ class SearchSpace:
         if "shard_gradients" not in {f.name for f in dataclasses.fields(Plan().parallel)}:
             fields["shard_gradients"] = (False,)
             notes.append("parallel.shard_gradients not in the plan: gradients are priced whole on every rank")
+        if "shard_parameters" not in {f.name for f in dataclasses.fields(Plan().parallel)}:
+            fields["shard_parameters"] = (False,)
+            notes.append("parallel.shard_parameters not in the plan: parameters are priced whole on every rank")
         fields.update(overrides)
         return cls(notes=tuple(notes), **fields)
 
@@ -112,7 +118,7 @@ def _plan_dict(base: dict, experts: dict, ep: int, dispatcher: str, mode: str, c
         plan["experts"]["apply_weights"] = weights
     plan["parallel"] = {**plan.get("parallel", {}), "ep": ep, "dispatcher": dispatcher, "dispatch_mode": mode,
                         "capacity_factor": cf if mode == "static" else None}
-    for key in ("shard_optimizer", "shard_gradients"):  # searched: enumerate_candidates adds the sharded twins
+    for key in ("shard_optimizer", "shard_gradients", "shard_parameters"):  # searched: the sharded twins are added
         if key in plan["parallel"]:
             plan["parallel"][key] = False
     if recompute or "recompute" in plan:
@@ -150,9 +156,11 @@ def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, spa
         skipped.append(f"overlap chunks {list(overlap_chunks)}: Plan has no 'overlap' section to hold them")
         overlap_chunks = ()
     placements = space.weight_placements if experts.get("apply_weights", "auto") == "auto" else (None,)
-    # (shard_optimizer, shard_gradients): sharding needs more than one GPU, gradients only with the optimizer
-    shard_opts = [(o, g) for o in (space.shard_optimizer if G > 1 else (False,))
-                  for g in (space.shard_gradients if o else (False,))]
+    # (shard_optimizer, shard_gradients, shard_parameters): sharding needs more than one GPU, gradients only with
+    # the optimizer, parameters only with the gradients
+    shard_opts = [(o, g, p) for o in (space.shard_optimizer if G > 1 else (False,))
+                  for g in (space.shard_gradients if o else (False,))
+                  for p in (space.shard_parameters if g else (False,))]
     sharded: dict[Any, Any] = {}  # one validated sharded parallel section per distinct unsharded one and level
     out: list[Candidate] = []
     ruled_out: dict[str, list[str]] = {}
@@ -174,12 +182,21 @@ def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, spa
                     ruled_out[str(e)].append(combo)
                 continue
             ov = getattr(plan, "overlap", None)
-            for shard, grads in shard_opts:
+            for shard, grads, params in shard_opts:
                 if shard:  # the same plan, sharded (Plan.replace validates it again)
-                    if (plan.parallel, grads) not in sharded:
-                        sharded[(plan.parallel, grads)] = dataclasses.replace(
-                            plan.parallel, shard_optimizer=True, **({"shard_gradients": True} if grads else {}))
-                    plan_s = plan.replace(parallel=sharded[(plan.parallel, grads)])
+                    level = (plan.parallel, grads, params)
+                    if level not in sharded:
+                        sharded[level] = dataclasses.replace(
+                            plan.parallel, shard_optimizer=True, **({"shard_gradients": True} if grads else {}),
+                            **({"shard_parameters": True} if params else {}))
+                    try:
+                        plan_s = plan.replace(parallel=sharded[level])
+                    except PlanError as e:  # e.g. zero3 under a base plan's CUDA-graph capture
+                        combos = ruled_out.setdefault(str(e), [])
+                        name = "zero3" if params else "zero2" if grads else "zero1"
+                        if name not in combos:
+                            combos.append(name)
+                        continue
                 else:
                     plan_s = plan
                 out.append(Candidate(plan_s, micro_batch=mb, overlap_chunks=chunks,
@@ -265,13 +282,13 @@ def search(profile_for: Callable[[Candidate], ModelProfile], experts: dict, clus
     rejected: list[tuple[Estimate, str]] = []
     profile = baseline
     failed: dict[str, list[str]] = {}
-    pruned: set[tuple[int, int, bool, bool]] = set()
+    pruned: set[tuple[int, int, str]] = set()
     n_pruned = 0
     for cand in cands:
         if baseline is not None and static_memory(baseline, cand, cluster.gpus) > cluster.usable_memory:
             n_pruned += 1
-            key = (cand.ep, cand.micro_batch, cand.distributed_optimizer, cand.shard_gradients)
-            if key not in pruned:  # one representative per EP size, micro-batch and sharding (zero1, zero2)
+            key = (cand.ep, cand.micro_batch, cand.zero)
+            if key not in pruned:  # one representative per EP size, micro-batch and sharding (zero1, 2, 3)
                 pruned.add(key)
                 est = estimate(baseline, cluster, cand, global_batch)
                 static = static_memory(baseline, cand, cluster.gpus)
@@ -307,13 +324,15 @@ TIE = 0.002  # step times within 0.2% are a tie: the model is not that precise
 def _rank_key(est: Estimate) -> tuple:
     """Fastest first; on a tie prefer dropless (no drops), the weights in the activation (less memory), fewer
     chunks, no recompute, no FP8, less sharding (unsharded runs any torch optimizer; zero1 before zero2: the same
-    bytes, without hooks copying every gradient into a bucket), larger micro-batch."""
+    bytes, without hooks copying every gradient into a bucket; zero2 before zero3: no hooks gathering parameters,
+    and CUDA graphs allowed), larger micro-batch."""
     import math
 
     c = est.candidate
     return (math.floor(math.log(max(est.step_s, 1e-12)) / math.log1p(TIE)), c.plan.parallel.dispatch_mode != "dropless",
             c.plan.experts.apply_weights == "combine", c.overlap_chunks, len(c.plan.recompute.modules),
-            c.plan.fp8.enabled, c.distributed_optimizer + c.shard_gradients, -c.micro_batch, est.step_s)
+            c.plan.fp8.enabled, c.distributed_optimizer + c.shard_gradients + c.shard_parameters, -c.micro_batch,
+            est.step_s)
 
 
 def iter_sections(cand: Candidate) -> dict:
