@@ -62,6 +62,7 @@ class GradientShards:
         self.pending: collections.deque = collections.deque()
         self.arrived: dict[int, set[int]] = {id(b): set() for b in self.buckets}
         self.sent = 0  # buckets sent this backward, in order
+        self.on_bucket_done: Any = None  # called with a bucket once all its gradients arrived (ZeRO-3 releases it)
 
     def prepare(self) -> None:
         """Before a step: no gradient kept yet."""
@@ -78,6 +79,8 @@ class GradientShards:
         b.flat[off : off + p.numel()].view_as(p).copy_(p.grad)
         p.grad = None  # the whole gradient lives on only in the bucket
         self.arrived[id(b)].add(i)
+        if self.on_bucket_done is not None and len(self.arrived[id(b)]) == len(b.params):
+            self.on_bucket_done(b)
         while self.sent < len(self.buckets) and len(self.arrived[id(self.buckets[self.sent])]) == \
                 len(self.buckets[self.sent].params):
             self._send(self.buckets[self.sent])

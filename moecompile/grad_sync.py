@@ -76,6 +76,19 @@ def expert_parameters(gm: fx.GraphModule) -> dict[str, ExpertTensor]:
     return out
 
 
+def start_all_gather(b: "Bucket", flat: torch.Tensor) -> list:
+    """Launch the all-gather of a sharded bucket's ranges into ``flat`` (this rank's range is in place already).
+
+    On gloo, as one broadcast from each range's owner: gloo's all_gather_single took 2.0-5.5x as long
+    as these broadcasts (2 ranks, 1-70 MiB; benchmarks/shard_optimizer.py --collectives).
+    """
+    if _is_gloo(b.group):
+        return [dist.broadcast(flat[lo:hi], group=b.group, group_src=k, async_op=True)
+                for k in range(b.shards) for lo, hi in [b.range_of(k)]]
+    lo, hi = b.own
+    return [dist.all_gather_single(flat, flat[lo:hi], group=b.group, async_op=True)]
+
+
 def _group_size(group: Any) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -97,10 +110,17 @@ class Bucket:
     rank: int = 0  # this rank's range, when sharded
     param_flat: torch.Tensor | None = None  # sharded: the parameters' storage, laid out as flat
     grad: torch.Tensor | None = None  # gradients sharded (ZeRO-2): this rank's range, the only one kept
+    param_own: torch.Tensor | None = None  # parameters sharded (ZeRO-3): this rank's range, the only one kept
 
     @property
     def numel(self) -> int:
-        return self.param_flat.numel() if self.param_flat is not None else self.flat.numel()
+        if self.param_flat is not None:
+            return self.param_flat.numel()
+        return self.param_own.numel() * self.shards if self.param_own is not None else self.flat.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.params[0].dtype
 
     def range_of(self, k: int) -> tuple[int, int]:
         """Rank k's range of the flat buffers."""
@@ -140,13 +160,16 @@ class Shard:
     grad: torch.Tensor
     parts: tuple[tuple[int, int], ...]  # every rank's [lo, hi) of the parameter, by index in the group
     rank: int = 0  # this rank's index in parts
+    store: torch.Tensor | None = None  # parameters sharded (ZeRO-3): the part's own storage, in the bucket's range
 
     @property
     def whole(self) -> bool:
         return self.lo == 0 and self.hi == self.param.numel()
 
     def values(self) -> torch.Tensor:
-        """The parameter's part, sharing its storage (the parameter itself when whole)."""
+        """The parameter's part, sharing its storage (the parameter itself when whole and not sharded)."""
+        if self.store is not None:
+            return self.store.view(self.param.shape) if self.whole else self.store
         return self.param if self.whole else self.param.detach().view(-1)[self.lo : self.hi]
 
 
@@ -155,7 +178,7 @@ class GradBuckets:
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], expert_names: set[str], world: Any = None,
                  bucket_mb: float = 25.0, shard: bool = False, shard_grads: bool = False,
-                 first_use: dict[str, int] | None = None):
+                 first_use: dict[str, int] | None = None, shard_params: bool = False):
         self.world = world
         self.shard = shard
         self._scratch: torch.Tensor | None = None  # gloo's reduce-scatter by exchange receives here
@@ -188,6 +211,12 @@ class GradBuckets:
             from .grad_shards import GradientShards
 
             self.grad_shards = GradientShards(self, first_use or {})
+        self.param_shards = None
+        if shard_params and self.grad_shards is not None:
+            from .param_shards import ParameterShards
+
+            self.param_shards = ParameterShards(self)
+            self.grad_shards.on_bucket_done = self.param_shards.gradients_in
 
     def _bucket(self, kind: str, group: Any, named: list[tuple[str, nn.Parameter]], dtype: torch.dtype,
                 device: torch.device) -> Bucket:
@@ -238,13 +267,14 @@ class GradBuckets:
                 if lo == hi:
                     continue
                 parts = tuple(b.part(i, k) for k in range(b.shards)) if b.shards > 1 else ((0, p.numel()),)
+                start = b.offsets[i] - b.own[0]  # where the parameter starts in this rank's range
                 if b.grad is not None:
-                    start = b.offsets[i] - b.own[0]
                     grad = b.grad[start + lo : start + hi]
                     grad = grad.view_as(p) if hi - lo == p.numel() else grad
                 else:
                     grad = b.views[i] if hi - lo == p.numel() else b.flat[b.offsets[i] + lo : b.offsets[i] + hi]
-                out.append(Shard(name, p, lo, hi, grad, parts, b.rank))
+                store = b.param_own[start + lo : start + hi] if b.param_own is not None else None
+                out.append(Shard(name, p, lo, hi, grad, parts, b.rank, store))
         return out
 
     def prepare(self) -> None:
@@ -265,6 +295,8 @@ class GradBuckets:
         """The end of one backward (of each micro-batch): gradients sharded, the last buckets are sent."""
         if self.grad_shards is not None:
             self.grad_shards.finish_backward()
+        if self.param_shards is not None:  # buckets whose parameters got no gradient, or prefetched in vain
+            self.param_shards.release_all()
 
     def sync(self) -> None:
         """Sum each bucket over its group (all launched before any is waited on), then divide by dp size.
@@ -296,21 +328,18 @@ class GradBuckets:
     def gather_params(self) -> None:
         """Sharded buckets: every rank's updated range of the parameters, to every rank (all-gather).
 
-        On gloo, as one broadcast from each range's owner: gloo's all_gather_single took 2.0-5.5x as long
-        as these broadcasts (2 ranks, 1-70 MiB; benchmarks/shard_optimizer.py --collectives).
+        Sharded parameters (ZeRO-3) stay in their ranges: the next forward gathers them.
         """
-        handles = []
-        for b in self.buckets:
-            if b.shards > 1 and _is_gloo(b.group):
-                for k in range(b.shards):
-                    lo, hi = b.range_of(k)
-                    handles.append(dist.broadcast(b.param_flat[lo:hi], group=b.group, group_src=k, async_op=True))
-            elif b.shards > 1:
-                lo, hi = b.own
-                handles.append(dist.all_gather_single(b.param_flat, b.param_flat[lo:hi], group=b.group,
-                                                      async_op=True))
+        handles = [h for b in self.buckets if b.param_flat is not None and b.shards > 1
+                   for h in start_all_gather(b, b.param_flat)]
         for h in handles:
             h.wait()
+
+    def param_bytes(self) -> int:
+        """Bytes of parameters this rank keeps between steps (sharded ones: its range only)."""
+        own = {id(p) for b in self.buckets if b.param_own is not None for p in b.params}
+        ranges = sum(b.param_own.numel() * b.param_own.element_size() for b in self.buckets if b.param_own is not None)
+        return ranges + sum(p.numel() * p.element_size() for b in self.buckets for p in b.params if id(p) not in own)
 
     def reduce_scatter_by_exchange(self, b: Bucket, flat: torch.Tensor, out: torch.Tensor) -> None:
         """gloo: reduce-scatter ``flat`` into ``out`` as one all-to-all and a local sum of the d ranges received.
@@ -319,8 +348,8 @@ class GradBuckets:
         1-70 MiB; benchmarks/shard_optimizer.py --collectives). The receive buffer is one bucket, kept.
         """
         if self._scratch is None or self._scratch.numel() < flat.numel() or self._scratch.dtype != flat.dtype:
-            self._scratch = torch.empty(max(x.numel for x in self.buckets if x.param_flat is not None
-                                            and x.param_flat.dtype == flat.dtype), dtype=flat.dtype, device=flat.device)
+            self._scratch = torch.empty(max(x.numel for x in self.buckets if x.shards > 1 and x.dtype == flat.dtype),
+                                        dtype=flat.dtype, device=flat.device)
         received = self._scratch[: flat.numel()]
         dist.all_to_all_single(received, flat, group=b.group)
         torch.sum(received.view(b.shards, out.numel()), dim=0, out=out)

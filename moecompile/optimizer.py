@@ -62,7 +62,8 @@ def updates_for(shards: list[Shard], masters: bool) -> list[Update]:
         if masters:
             tensor = nn.Parameter(s.values().detach().float().clone())
         else:
-            tensor = s.param if s.whole else nn.Parameter(s.values())  # shares the parameter's storage
+            values = s.values()  # the parameter itself, or a part sharing its storage
+            tensor = values if values is s.param else nn.Parameter(values)
         out.append(Update(s, tensor, masters))
     return out
 

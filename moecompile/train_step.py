@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from . import host_memory
+from . import host_memory, param_shards
 from .errors import MoecompileError
 from .grad_sync import GradBuckets, expert_parameters, moe_blocks
 from .optimizer import OptimizerFactory, build_optimizer, updates_for
@@ -129,9 +129,13 @@ class TrainStep:
         self.expert_names = set(expert_parameters(self.module))
         self.sharded = bool(self.plan.parallel.shard_optimizer and self.world is not None
                             and getattr(self.world, "world_size", 1) > 1)
+        param_shards.take_over(self.module)  # a step built before on this module gives its parameters back whole
         self.buckets = GradBuckets(params.items(), self.expert_names, self.world, bucket_mb, shard=self.sharded,
                                    shard_grads=self.sharded and self.plan.parallel.shard_gradients,
-                                   first_use=_first_use(self.module))
+                                   first_use=_first_use(self.module),
+                                   shard_params=self.sharded and self.plan.parallel.shard_parameters)
+        if self.buckets.param_shards is not None:
+            self.buckets.param_shards.instrument(self.module)
         self.trainable = {n: p for n, p in params.items() if p.requires_grad}
         # bf16 parameters train through fp32 master copies; fp32 ones are their own masters
         masters = any(p.dtype != torch.float32 for p in self.trainable.values())
@@ -150,6 +154,9 @@ class TrainStep:
         from .cuda_graphs import make_runner
 
         mode = cuda_graph if cuda_graph is not None else self.plan.cuda_graph.mode
+        if mode != "none" and self.buckets.param_shards is not None and self.device.type == "cuda":
+            raise MoecompileError(f"cuda_graph={mode!r} replays recorded kernels, but parallel.shard_parameters gathers "
+                                  "parameters from Python hooks a replay does not run; use cuda_graph='none'")
         self.runner = make_runner(self, mode)
 
     # ------------------------------------------------------------------ one step
@@ -205,11 +212,23 @@ class TrainStep:
         self.buckets.gather_params()
 
     def _forward(self, inputs: Any) -> Any:
-        if isinstance(inputs, dict):
-            return self.forward_module(**inputs)
-        if isinstance(inputs, (tuple, list)):
-            return self.forward_module(*inputs)
-        return self.forward_module(inputs)
+        shards = self.buckets.param_shards
+        with shards.saving() if shards is not None else contextlib.nullcontext():
+            if isinstance(inputs, dict):
+                return self.forward_module(**inputs)
+            if isinstance(inputs, (tuple, list)):
+                return self.forward_module(*inputs)
+            return self.forward_module(inputs)
+
+    def gathered(self) -> contextlib.AbstractContextManager:
+        """The parameters whole in the module, for reads outside a step (export, evaluation); every rank enters
+        it. Only needed under ``parallel.shard_parameters``, where a rank otherwise keeps its range of them."""
+        shards = self.buckets.param_shards
+        return shards.gathered() if shards is not None else contextlib.nullcontext()
+
+    def param_bytes(self) -> int:
+        """Bytes of trainable parameters this rank keeps between steps (ZeRO-3: its ranges of the sharded ones)."""
+        return self.buckets.param_bytes()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.precision == "bf16" and not self.masters:

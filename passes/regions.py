@@ -33,6 +33,7 @@ import torch.nn as nn
 from torch.fx.passes.utils.fuser_utils import fuse_as_graphmodule
 from torch.utils.checkpoint import checkpoint
 
+from moecompile import param_shards
 from moecompile.meta import copy_moe
 
 
@@ -52,21 +53,21 @@ class _Boundary:
     """Saved-tensor hooks that keep a handle instead of R's outputs, and recompute R to unpack one."""
 
     def __init__(self, fn: Callable, args: list[Any], rng: Any, outs: tuple):
-        self.fn, self.args, self.rng = fn, args, rng
+        self.fn, self.args, self.rng = fn, [param_shards.pack(a) for a in args], rng
         self.keys = {_storage(o): i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)}
         self.values: tuple | None = None
 
     def pack(self, t: torch.Tensor) -> Any:
         i = self.keys.get(_storage(t))
-        return t if i is None else (i, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+        return param_shards.pack(t) if i is None else (i, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
     def unpack(self, packed: Any) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
+        if not isinstance(packed, tuple):
+            return param_shards.unpack(packed)
         i, size, stride, offset = packed
         if self.values is None:
             with torch.no_grad(), _replay(self.rng):
-                self.values = self.fn(*self.args)
+                self.values = self.fn(*[param_shards.unpack(a) for a in self.args])
         return self.values[i].as_strided(size, stride, offset)
 
 
@@ -129,7 +130,24 @@ class RecomputeRegion(nn.Module):
 
 
 def _checkpointed(gm: fx.GraphModule, args: list[Any]) -> tuple:
-    return checkpoint(gm, *args, use_reentrant=False)
+    """``checkpoint(gm, *args)``, holding gathered parameters (ZeRO-3) as handles until the recompute."""
+    held = [param_shards.pack(a) for a in args]
+    kept = [i for i, (h, a) in enumerate(zip(held, args)) if h is a]
+    if len(kept) == len(args):
+        return checkpoint(gm, *args, use_reentrant=False)
+    first = [list(args)]  # the forward's own tensors, used once
+
+    def run(*rest: Any) -> tuple:
+        if first:
+            return gm(*first.pop())
+        full = [param_shards.unpack(h).requires_grad_(a) if not isinstance(h, torch.Tensor) else h
+                for h, a in zip(held, grads)]  # recomputing must save what the forward saved
+        for i, t in zip(kept, rest):
+            full[i] = t
+        return gm(*full)
+
+    grads = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
+    return checkpoint(run, *[args[i] for i in kept], use_reentrant=False)
 
 
 def _bounded(gm: fx.GraphModule, args: list[Any], gm_r: fx.GraphModule, r_args: list[Any], rng: Any, r_out: tuple) -> tuple:
@@ -151,8 +169,9 @@ class OffloadRegion(nn.Module):
         packed: dict[tuple, Any] = {}  # one host copy per saved view, however many ops save it
 
         def pack(t: torch.Tensor) -> Any:
-            if t.numel() * t.element_size() < self.min_bytes or _is_parameter(t):
-                return t
+            held = param_shards.pack(t)
+            if held is not t or t.numel() * t.element_size() < self.min_bytes or _is_parameter(t):
+                return held
             key = (_storage(t), t.storage_offset(), tuple(t.size()), tuple(t.stride()))
             if key not in packed:
                 packed[key] = _to_host(t)
@@ -184,8 +203,8 @@ def _to_host(t: torch.Tensor) -> Any:
 
 
 def _from_host(packed: Any) -> torch.Tensor:
-    if isinstance(packed, torch.Tensor):
-        return packed
+    if not isinstance(packed, tuple):
+        return param_shards.unpack(packed)
     _tag, device, host, done = packed
     if done is None:
         return host

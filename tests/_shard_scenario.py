@@ -27,6 +27,7 @@ EXPERTS = {"num_experts": 4, "top_k": 2, "z_loss_coeff": 1e-3, "router_noise": 0
 # name: (ep, dtype, sequences a forward, more parallel fields of the sharded run); "nccl_forms*" run the
 # reduce-scatter / all-gather a GPU runs (gloo gets exchanges instead); zero2: parallel.shard_gradients
 ZERO2 = {"shard_gradients": True}
+ZERO3 = {"shard_gradients": True, "shard_parameters": True}
 SETTINGS = {"dp2": (1, None, 2, {}), "ep2": (2, None, 2, {}), "dp2_bf16": (1, "bfloat16", 2, {}),
             "nccl_forms": (1, None, 2, {}), "dp2_zero2_micro": (1, None, 1, ZERO2),
             "ep2_zero2_bf16": (2, "bfloat16", 2, ZERO2), "nccl_forms_zero2_micro": (1, None, 1, ZERO2)}
@@ -47,7 +48,10 @@ def make_step(world_size: int, ep: int, shard: bool, dtype: str | None = None, b
 
     dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=batch or GLOBAL_BATCH // world_size,
                                 seq_len=SEQ, dtype=dtype)
+    recompute = parallel.pop("recompute", None)
     plan = {"experts": EXPERTS, "parallel": {"ep": ep, "shard_optimizer": shard, **parallel}}
+    if recompute:
+        plan["recompute"] = {"modules": recompute}
     result = mc.convert(dense, plan, (ids,))
     return result, mc.build_train_step(result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.05)
 
@@ -65,19 +69,29 @@ def _compare(rank: int, world_size: int, ep: int, dtype: str | None, batch: int 
              extra: dict | None = None) -> dict:
     out: dict[str, Any] = {}
     for shard in (False, True):
-        result, step = make_step(world_size, ep, shard, dtype, batch, **(extra or {}) if shard else {})
+        both = {"recompute": extra["recompute"]} if extra and "recompute" in extra else {}
+        result, step = make_step(world_size, ep, shard, dtype, batch, **(dict(extra or {}) if shard else both))
         metrics = _train(step, rank, world_size, 0, STEPS)
+        gathered = step.buckets.param_shards
         out[shard] = {
+            "param_bytes": step.param_bytes(), "gathered_peak": gathered.peak_bytes if gathered else None,
+            "whole_bytes": sum(b.numel * b.dtype.itemsize for b in step.buckets.buckets if b.shards > 1),
             "metrics": metrics, "bytes": step.optimizer_bytes(), "collectives": step.buckets.collectives_per_step(),
             "grad_bytes": step.buckets.grad_bytes(), "micro_batches": step.parts,
             "bucket_bytes": max(b.numel * b.params[0].element_size() for b in step.buckets.buckets),
-            "params": {n: p.detach().float().clone() for n, p in result.module.named_parameters()},
-            "misaligned": [n for b in step.buckets.buckets if b.shards > 1 for n, p in zip(b.names, b.params)
+            "params": _whole_params(step, result),
+            "misaligned": [n for b in step.buckets.buckets if b.shards > 1 and b.param_flat is not None
+                           for n, p in zip(b.names, b.params)
                            if (p.data_ptr() - b.param_flat.data_ptr()) % 256],  # the buffer: CPU aligns to 64
             "groups": [len(g["params"]) for g in step.optimizer.param_groups],
             "decay": [g["weight_decay"] for g in step.optimizer.param_groups],
         }
     return out
+
+
+def _whole_params(step: Any, result: Any) -> dict[str, torch.Tensor]:
+    with step.gathered():  # ZeRO-3 keeps a range of each; this gathers them on every rank
+        return {n: p.detach().float().clone() for n, p in result.module.named_parameters()}
 
 
 def two_ranks_worker(rank: int, world_size: int, out: str) -> dict:
@@ -113,7 +127,8 @@ def two_ranks() -> tuple[Path, list[dict]]:
 
 
 def four_ranks_worker(rank: int, world_size: int, ckpt: str) -> dict:
-    res = {"ep2": _compare(rank, world_size, 2, None, extra=ZERO2)}  # dense grads / 4, expert grads / 2
+    res = {"ep2": _compare(rank, world_size, 2, None, extra=ZERO2),  # dense grads / 4, expert grads / 2
+           "ep2_zero3": _compare(rank, world_size, 2, None, extra=ZERO3)}  # and parameters
     _, step = make_step(world_size, 2, True, **ZERO2)
     step.load(ckpt)
     res["loaded"] = _train(step, rank, world_size, STEPS, 1)
@@ -147,3 +162,49 @@ def rebuilt_worker(rank: int, world_size: int) -> dict[bool, list[float]]:
         second = mc.build_train_step(result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.05)
         out[shard] = losses + [m["loss"] for m in _train(second, rank, world_size, 1, 2)]
     return out
+
+
+# ZeRO-3 (parallel.shard_parameters): name -> (ep, dtype, sequences a forward, parallel fields of the sharded run)
+ZERO3_SETTINGS = {"dp2": (1, None, 2, ZERO3), "ep2_bf16": (2, "bfloat16", 2, ZERO3), "dp2_micro": (1, None, 1, ZERO3),
+                  "dp2_recompute": (1, None, 2, {**ZERO3, "recompute": ["layernorm", "attention", "moe"]}),
+                  "nccl_forms": (1, None, 2, ZERO3)}
+
+
+def zero3_worker(rank: int, world_size: int, out: str) -> dict:
+    """Every ZERO3_SETTINGS comparison; a ZeRO-3 checkpoint resumed; the module's guards; a later step's takeover."""
+    import moecompile as mc
+    import moecompile.grad_sync as grad_sync
+
+    res: dict[str, Any] = {}
+    for name, (ep, dtype, batch, extra) in ZERO3_SETTINGS.items():
+        grad_sync._is_gloo = (lambda group: False) if name.startswith("nccl_forms") else _is_gloo
+        res[name] = _compare(rank, world_size, ep, dtype, batch, extra)
+    grad_sync._is_gloo = _is_gloo
+    result, step = make_step(world_size, 1, True, **ZERO3)
+    _train(step, rank, world_size, 0, STEPS)
+    try:
+        result.module.state_dict()
+        res["state_dict_outside"] = None
+    except mc.MoecompileError as e:
+        res["state_dict_outside"] = str(e)
+    with step.gathered():
+        res["state_dict"] = {k: v.clone() for k, v in result.module.state_dict().items()}
+    step.save(Path(out) / "ckpt")
+    res["continued"] = _train(step, rank, world_size, STEPS, STEPS)
+    _, again = make_step(world_size, 1, True, **ZERO3)
+    again.load(Path(out) / "ckpt")
+    res["resumed"] = _train(again, rank, world_size, STEPS, STEPS)
+    with again.gathered():
+        before = {n: p.detach().clone() for n, p in again.result.module.named_parameters()}
+    later = mc.build_train_step(again.result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.05)
+    with later.gathered():  # the plan shards them again: the new step's ranges hold the same values
+        res["taken_over"] = all(torch.equal(p, before[n]) for n, p in again.result.module.named_parameters())
+    res["after_takeover"] = _train(later, rank, world_size, 2 * STEPS, 1)
+    return res
+
+
+@functools.lru_cache(maxsize=None)
+def zero3_two_ranks() -> tuple[Path, list[dict]]:
+    out = Path(tempfile.mkdtemp(prefix="moecompile-zero3-"))
+    atexit.register(shutil.rmtree, out, True)
+    return out, run(zero3_worker, 2, (str(out),), timeout=400)
