@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import param_shards
 from .errors import MoecompileError
 from .grad_sync import moe_blocks
 from .models import GROUPED_SIGMOID_ROUTERS
@@ -201,6 +202,7 @@ def hf_state_dict(result: Any, world: Any = None, selection_bias: bool = False) 
     (zero where the plan has none), as DeepSeek-V3's router applies it.
     """
     module = result.module
+    param_shards.require_whole(module, "export_hf")
     blocks = moe_blocks(module)
     rename: dict[str, str] = {}
     for layer, info in blocks.items():

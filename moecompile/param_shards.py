@@ -113,6 +113,15 @@ def take_over(module: nn.Module) -> None:
         earlier.unshard()
 
 
+def require_whole(module: nn.Module, what: str) -> None:
+    """An error for ``what`` reading ``module``'s parameters while a step keeps them sharded."""
+    owner = _BY_MODULE.get(module)
+    if owner is not None and not owner.held:
+        raise MoecompileError(
+            f"{what}: the module's parameters are sharded across ranks (parallel.shard_parameters), each rank keeps "
+            "its range; call it inside `with step.gathered():` on every rank")
+
+
 class ParameterShards:
     """The sharded buckets' parameters: this rank's range kept, the whole gathered while in use."""
 
@@ -193,10 +202,7 @@ class ParameterShards:
         self._guard = gm.register_state_dict_pre_hook(self._check_whole)
 
     def _check_whole(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        if not self.held:
-            raise MoecompileError(
-                "the module's parameters are sharded across ranks (parallel.shard_parameters): read its state_dict "
-                "inside `with step.gathered():` on every rank, or save with step.save(path)")
+        require_whole(module, "state_dict (or step.save(path), which writes each rank's ranges)")
 
     # ------------------------------------------------------------------ gathers
 

@@ -187,6 +187,13 @@ def zero3_worker(rank: int, world_size: int, out: str) -> dict:
         res["state_dict_outside"] = None
     except mc.MoecompileError as e:
         res["state_dict_outside"] = str(e)
+    from moecompile.export_hf import hf_state_dict
+
+    try:
+        hf_state_dict(result)
+        res["export_outside"] = None
+    except mc.MoecompileError as e:
+        res["export_outside"] = str(e)
     with step.gathered():
         res["state_dict"] = {k: v.clone() for k, v in result.module.state_dict().items()}
     step.save(Path(out) / "ckpt")

@@ -1,4 +1,4 @@
-"""``moecompile train`` end to end: spawned ep=2 ranks train, log, checkpoint, summarise; --resume continues."""
+"""``moecompile train`` end to end: spawned ep=2 ranks train (ZeRO-3), log, checkpoint, summarise; --resume continues."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ def moecompile(*args: str, cwd, timeout: float = 300) -> subprocess.CompletedPro
 @pytest.mark.distributed
 def test_train_five_steps_on_two_ranks_then_resume_on_one(tmp_path):
     out = tmp_path / "run"
-    proc = moecompile("train", "--steps", "5", *FAST, "--out", str(out), "--set", "parallel.shard_optimizer=true",
-                      cwd=tmp_path)
+    zero3 = [f"parallel.shard_{what}=true" for what in ("optimizer", "gradients", "parameters")]
+    proc = moecompile("train", "--steps", "5", *FAST, "--out", str(out), *(a for z in zero3 for a in ("--set", z)),
+                      "--export-hf", str(tmp_path / "hf"), cwd=tmp_path)
     text = proc.stdout
     assert "8 experts top-2" in text and "ep=2 over 2 rank(s)" in text, text
     lines = re.findall(r"step +(\d+) +loss ([\d.]+) .* load L0 \[([\d, ]+)\]", text)
@@ -33,10 +34,12 @@ def test_train_five_steps_on_two_ranks_then_resume_on_one(tmp_path):
     assert all(sum(int(v) for v in load.split(",")) == 4 * 16 * 2 for _, _, load in lines)  # global load, top-2
     assert "summary" in text and "tokens/s" in text and "load balance" in text
     assert re.search(r"optimizer +[\d.]+ MiB of AdamW state on rank 0, sharded over the ranks", text), text
+    assert re.search(r"parameters +[\d.]+ MiB on rank 0 between steps, its ranges", text), text
+    assert "exported" in text and (tmp_path / "hf" / "model.safetensors").exists()  # gathered whole to export
     meta = json.loads((out / "checkpoint" / "moecompile.json").read_text())
     assert meta["step"] == 5 and meta["ep"] == 2 and meta["world_size"] == 2
     assert (out / "plan.yaml").exists()
-    # the ep=2 checkpoint (optimizer sharded) resumes in one process (ep=1): two more steps, from step 5
+    # the ep=2 checkpoint (ZeRO-3) resumes in one process (ep=1): two more steps, from step 5
     # ... as 2 micro-batches of 2 sequences a step (the graph traced at 2, gradients accumulated)
     proc = moecompile("train", "--steps", "7", *FAST, "--out", str(out), "--resume", "--nproc", "1",
                       "--micro-batch", "2", cwd=tmp_path)

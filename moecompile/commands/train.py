@@ -236,11 +236,15 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
     val = _held_out_loss(s, held_out, rank, world_size)
     summary = _summary(history, seconds, val, ckpt)
     summary["optimizer"] = _optimizer_line(s.step, world_size)
+    if s.step.buckets.param_shards is not None:
+        summary["parameters"] = (f"{s.step.param_bytes() / 2**20:.2f} MiB on rank 0 between steps, its ranges "
+                                 f"(parallel.shard_parameters; peak gathered {s.step.buckets.param_shards.peak_bytes / 2**20:.2f} MiB)")
     if args.export_hf:
         from ..export_hf import arch_for, export_hf
 
         arch = arch_for(getattr(s.dense.config, "model_type", None))
-        export_hf(s.result, args.export_hf, arch=arch, config=s.dense.config, world=s.world)
+        with s.step.gathered():  # parameters sharded (parallel.shard_parameters): whole on every rank for this
+            export_hf(s.result, args.export_hf, arch=arch, config=s.dense.config, world=s.world)
         summary["exported"] = f"{args.export_hf} ({arch})"
     if lead:
         print(_format_summary(summary), flush=True)
@@ -343,6 +347,8 @@ def _format_summary(s: dict[str, Any]) -> str:
     ]
     if "optimizer" in s:
         lines.insert(-1, f"  optimizer        {s['optimizer']}")
+    if "parameters" in s:
+        lines.insert(-1, f"  parameters       {s['parameters']}")
     if "exported" in s:
         lines.append(f"  exported         {s['exported']}")
     return "\n".join(lines)
