@@ -1,4 +1,4 @@
-"""The optimizer's memory per rank, and the step's time, with and without sharding (ZeRO-1), on N CPU ranks.
+"""Parameter, gradient and optimizer memory per rank, and the step's time, with and without ZeRO sharding, on N CPU ranks.
 
     python benchmarks/shard_optimizer.py [--nproc 2] [--model small-llama] [--batch 8] [--seq 128]
                                          [--steps 5] [--warmup 2] [--rounds 2] [--bucket-mb 25]
@@ -17,13 +17,17 @@ all of the optimizer can shard), the variants taking turns step by step in one p
   range of AdamW state, all-gather);
 - ``moecompile_zero2``: also ``parallel.shard_gradients``: each bucket reduce-scattered as backward
   completes it, a rank keeping its range of the gradients and a few buckets in flight;
+- ``moecompile_zero3``: also ``parallel.shard_parameters``: a rank keeps its range of the parameters,
+  each bucket gathered before its first read in forward and again in backward;
 - ``moecompile_epN_zero1``: experts sharded N ways (ep = N) and the dense optimizer state too;
 - ``hf_ddp``: the converted model exported and loaded as Hugging Face's Mixtral (``grouped_mm``
   experts), wrapped in ``DistributedDataParallel`` with AdamW: the loop a user writes by hand;
 - ``hf_ddp_zero``: the same with torch's ``ZeroRedundancyOptimizer`` over AdamW (whole
-  parameters per rank): the library peer a user would pick to shard the optimizer.
+  parameters per rank): the library peer a user would pick to shard the optimizer;
+- ``hf_fsdp2``: the same Hugging Face model under torch's FSDP2 (``fully_shard`` on every decoder
+  layer and the root) with AdamW: the library peer a user would pick to shard the parameters.
 
-Per variant: the largest rank's optimizer bytes (state tensors, + fp32 masters where there are
+Per variant: the largest rank's parameter bytes between steps, optimizer bytes (state tensors, + fp32 masters where there are
 any) and gradient bytes held between steps (moecompile: its buckets, ranges and buffers in flight;
 the peers: their ``.grad`` tensors, DDP's own bucket copies not counted), the step time (a step ends with its slowest rank; median over every timed step of every
 round) and the global mean loss of the first and last step, which must agree across the rows
@@ -45,25 +49,27 @@ EXPERTS = {"num_experts": 8, "top_k": 2, "aux_loss": "none"}
 
 
 def _variants(n: int) -> tuple[str, ...]:
-    return ("moecompile", "moecompile_zero1", "moecompile_zero2", f"moecompile_ep{n}_zero1", "hf_ddp", "hf_ddp_zero")
+    return ("moecompile", "moecompile_zero1", "moecompile_zero2", "moecompile_zero3", f"moecompile_ep{n}_zero1", "hf_ddp",
+            "hf_ddp_zero", "hf_fsdp2")
 
 
 def _build(variant: str, args: Any, rank: int, world: int, x: torch.Tensor) -> tuple[Callable, Callable[[], int]]:
-    """A step ``(x, y) -> global mean lm loss`` and a function giving this rank's (optimizer, gradient) bytes."""
+    """A step ``(x, y) -> global mean lm loss`` and a function giving this rank's (params, optimizer, grads) bytes."""
     import moecompile as mc
     from moecompile import distributed
     from moecompile.models import build_model
 
     ep = world if variant.startswith("moecompile_ep") else 1
     plan = mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": ep, "shard_optimizer": "zero" in variant,
-                                                               "shard_gradients": "zero2" in variant}})
+                                                               "shard_gradients": "zero2" in variant or
+                                                               "zero3" in variant, "shard_parameters": "zero3" in variant}})
     world_obj = distributed.world_from_plan(plan)
     dense, _ = build_model(args.model, batch_size=x.shape[0], seq_len=x.shape[1], seed=0)
     result = mc.convert(dense, plan, (x,), world=world_obj)
     if variant.startswith("moecompile"):
         ts = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), precision="fp32",
                                  world=world_obj, bucket_mb=args.bucket_mb)
-        return (lambda x, y: ts(x, y).lm_loss), lambda: (ts.optimizer_bytes(), ts.buckets.grad_bytes())
+        return (lambda x, y: ts(x, y).lm_loss), lambda: (ts.param_bytes(), ts.optimizer_bytes(), ts.buckets.grad_bytes())
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel
     from transformers import AutoModelForCausalLM
@@ -76,7 +82,16 @@ def _build(variant: str, args: Any, rank: int, world: int, x: torch.Tensor) -> t
         export_hf(result, path, arch="mixtral", config=dense.config, world=world_obj)
         dist.barrier()
         hf = AutoModelForCausalLM.from_pretrained(path, experts_implementation="grouped_mm", dtype=torch.float32)
-    model = DistributedDataParallel(hf.train(), bucket_cap_mb=args.bucket_mb)
+    if variant == "hf_fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in hf.model.layers:
+            fully_shard(layer, mesh=mesh)
+        model: Any = fully_shard(hf.train(), mesh=mesh)
+    else:
+        model = DistributedDataParallel(hf.train(), bucket_cap_mb=args.bucket_mb)
     if variant == "hf_ddp_zero":
         opt: Any = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
         local = opt.optim
@@ -93,10 +108,15 @@ def _build(variant: str, args: Any, rank: int, world: int, x: torch.Tensor) -> t
         dist.all_reduce(mean)
         return mean.item() / world
 
-    def optimizer_bytes() -> tuple[int, int]:
-        state = sum(t.numel() * t.element_size() for s in local.state.values() for t in s.values()
+    def nbytes(t: torch.Tensor) -> int:
+        t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2's DTensors: this rank's shard
+        return t.numel() * t.element_size()
+
+    def optimizer_bytes() -> tuple[int, int, int]:
+        state = sum(nbytes(t) for s in local.state.values() for t in s.values()
                     if isinstance(t, torch.Tensor) and t.dim() > 0)
-        return state, sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+        return (sum(nbytes(p) for p in model.parameters()), state,
+                sum(nbytes(p.grad) for p in model.parameters() if p.grad is not None))
 
     return step, optimizer_bytes
 
@@ -117,7 +137,7 @@ def _measure(rank: int, world: int, args: Any) -> dict[str, dict[str, Any]]:
             out[v]["losses"].append(step(x, y))
             out[v]["times"].append(time.perf_counter() - start)
     for v, (_, nbytes) in built.items():
-        out[v]["bytes"], out[v]["grad_bytes"] = nbytes()
+        out[v]["param_bytes"], out[v]["bytes"], out[v]["grad_bytes"] = nbytes()
         out[v]["times"] = out[v]["times"][args.warmup:]
     return out
 
@@ -183,19 +203,20 @@ def main() -> None:
         ranks = run_ranks(_measure, a.nproc, (a,), threads=threads_per_rank(a.nproc), timeout_s=3600)
         for v in ranks[0]:
             times.setdefault(v, []).extend(max(t) for t in zip(*(r[v]["times"] for r in ranks)))
-            rows[v] = {"bytes": max(r[v]["bytes"] for r in ranks), "grad_bytes": max(r[v]["grad_bytes"] for r in ranks),
-                       "losses": ranks[0][v]["losses"]}
+            rows[v] = {k: max(r[v][k] for r in ranks) for k in ("param_bytes", "bytes", "grad_bytes")}
+            rows[v]["losses"] = ranks[0][v]["losses"]
     base = rows["moecompile"]["bytes"]
     fastest_hf = min(statistics.median(times[v]) for v in times if v.startswith("hf_"))
     print(f"{a.model} E{EXPERTS['num_experts']} top-{EXPERTS['top_k']}, fp32 AdamW, {a.nproc} gloo ranks, global batch "
           f"{a.batch} x {a.seq}, {a.bucket_mb:g} MB buckets; median of {a.rounds} x {a.steps} steps after {a.warmup} "
           "warm-up, variants in turn")
-    print(f"{'variant':<24}{'optimizer MiB/rank':>19}{'vs replicated':>14}{'grads MiB/rank':>15}{'ms/step':>9}"
-          f"{'vs fastest HF':>14}  loss first -> last")
+    print(f"{'variant':<24}{'params MiB/rank':>16}{'optimizer MiB/rank':>19}{'vs replicated':>14}{'grads MiB/rank':>15}"
+          f"{'ms/step':>9}{'vs fastest HF':>14}  loss first -> last")
     for v, r in rows.items():
         ms = statistics.median(times[v])
-        print(f"{v:<24}{r['bytes'] / 2**20:>19.2f}{r['bytes'] / base:>13.3f}x{r['grad_bytes'] / 2**20:>15.2f}"
-              f"{ms * 1e3:>9.1f}{fastest_hf / ms:>13.2f}x  {r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
+        print(f"{v:<24}{r['param_bytes'] / 2**20:>16.2f}{r['bytes'] / 2**20:>19.2f}{r['bytes'] / base:>13.3f}x"
+              f"{r['grad_bytes'] / 2**20:>15.2f}{ms * 1e3:>9.1f}{fastest_hf / ms:>13.2f}x  "
+              f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
 
 
 if __name__ == "__main__":
