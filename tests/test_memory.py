@@ -370,3 +370,37 @@ def test_sharded_parameters_change_nothing_on_one_rank(batch):
     assert four.params == 2 * (-(-dense // 4) + -(-expert // 4)) + four.in_flight_params
     assert four.params > one.params  # a tiny model: its two whole buckets (one per kind) outweigh what the range saves
     assert mc.estimate_memory(result, by_pass=False, dp=4, bucket_mb=2**-10).params < one.params  # small ones don't
+
+
+def _zero3_step(batch, bucket_mb: float):
+    """A ZeRO-3 step of the bf16 tiny model (ep=2) under the fake 4-rank world, after two steps, and its estimate."""
+    model = tiny_hf("llama").to(torch.bfloat16)
+    plan = {"experts": EXPERTS, "parallel": {"ep": 2, "shard_optimizer": True, "shard_gradients": True,
+                                             "shard_parameters": True}}
+    result = mc.convert(model, plan, (batch,))
+    est = mc.estimate_memory(result, by_pass=False, bucket_mb=bucket_mb)
+    step = mc.build_train_step(result, keep_host_memory=False, bucket_mb=bucket_mb)
+    for _ in range(2):
+        step(batch, batch)
+    return est, step
+
+
+@pytest.mark.parametrize("bucket_mb", [0.01, 25.0])
+def test_sharded_parameters_estimate_matches_what_the_training_step_keeps(batch, fake_world4, bucket_mb):
+    """The bucket layout and the parameter ranges a rank keeps between steps (ParameterShards)."""
+    est, step = _zero3_step(batch, bucket_mb)
+    shards = step.buckets.param_shards
+    largest = max(b.numel * 2 for b in shards.buckets)
+    assert est.in_flight_params == min(2, len(shards.buckets)) * largest  # the same bucket layout
+    mine = est.params - est.in_flight_params
+    assert abs(step.param_bytes() - mine) / mine < 0.02, (step.param_bytes(), mine)  # up to the ranges' padding
+    assert largest <= shards.peak_bytes
+
+
+@pytest.mark.parametrize("bucket_mb", [pytest.param(0.01, marks=pytest.mark.xfail(strict=True, reason=(
+    "known gap: a bucket is whole from its first read to its last, and buckets group parameters in reverse "
+    "registration order, not graph order (lm_head with layer 1's norms, o_proj with the shared experts), so with "
+    "small buckets 5 are whole at once (54 KiB) against the estimate's 2 x the largest (32 KiB)"))), 25.0])
+def test_sharded_parameters_gathered_at_once_stay_within_the_estimate(batch, fake_world4, bucket_mb):
+    est, step = _zero3_step(batch, bucket_mb)
+    assert step.buckets.param_shards.peak_bytes <= est.in_flight_params
