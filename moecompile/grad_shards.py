@@ -131,5 +131,5 @@ class GradientShards:
             if t.numel() >= numel and t.dtype == dtype and t.device == device:
                 return self.pool.pop(k)[:numel]
         if self.pool:  # none fits: trade the smallest for a new one, so the pool stays bounded
-            self.pool.remove(min(self.pool, key=torch.Tensor.numel))
+            del self.pool[min(range(len(self.pool)), key=lambda k: self.pool[k].numel())]  # by place: == is elementwise
         return torch.empty(numel, dtype=dtype, device=device)
