@@ -26,6 +26,8 @@ so the step moves the bytes of the all-reduce it replaces and rank k keeps optim
 only for range k (:meth:`GradBuckets.shards`). Every parameter starts ``ALIGN_BYTES``-aligned,
 as kernels want their weights. With ``parallel.shard_gradients`` (ZeRO-2) the whole gradient
 buckets exist only while backward fills them, and rank k keeps range k (moecompile.grad_shards).
+With ``parallel.shard_parameters`` (ZeRO-3) the parameters too: rank k keeps range k of them, and
+the whole bucket is gathered only while forward or backward reads it (moecompile.param_shards).
 """
 
 from __future__ import annotations
@@ -74,6 +76,44 @@ def expert_parameters(gm: fx.GraphModule) -> dict[str, ExpertTensor]:
             if key in info["params"]:
                 out[info["params"][key]] = ExpertTensor(layer, key, info["num_experts"], int(lo), int(hi))
     return out
+
+
+def param_reads(gm: nn.Module) -> dict[str, tuple[int, int]]:
+    """Each parameter's first and last read in the forward graph, by the positions of the nodes that use it
+    (through ZeRO-3's gather node, if a step has placed one)."""
+    from .param_shards import gather_bucket
+
+    graph = getattr(gm, "graph", None)
+    if graph is None:
+        return {}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    out: dict[str, tuple[int, int]] = {}
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        users = []
+        for u in node.users:
+            if u.op == "call_function" and u.target is gather_bucket:
+                i = u.args.index(node, 2) - 2
+                users += [w for item in u.users if item.args[1] == i for w in item.users]
+            else:
+                users.append(u)
+        at = [order[u] for u in users] or [order[node]]
+        lo, hi = out.get(node.target, (min(at), max(at)))
+        out[node.target] = (min(lo, *at), max(hi, *at))
+    return out
+
+
+def first_reads(gm: nn.Module) -> dict[str, int]:
+    """Each parameter's first read in the forward graph, by the position of the first node that uses it."""
+    return {name: first for name, (first, _) in param_reads(gm).items()}
+
+
+def backward_order(named: list[tuple[str, nn.Parameter]], first_use: dict[str, int]) -> list[tuple[str, nn.Parameter]]:
+    """Parameters in the order backward completes their gradients: the last read first (ties, and parameters
+    the graph does not read, in reverse registration order, as DDP assumes). Buckets are cut from this order,
+    so a bucket holds parameters that forward reads together: what ZeRO-3 gathers at once."""
+    return sorted(named[::-1], key=lambda item: -first_use.get(item[0], -1))
 
 
 def start_all_gather(b: "Bucket", flat: torch.Tensor) -> list:
@@ -186,8 +226,7 @@ class GradBuckets:
         edp = getattr(world, "edp_group", None) if world is not None else None
         self.dp_size = _group_size(dp) if world is not None else 1
         groups = {"dense": dp, "expert": edp}
-        # reverse registration order ~ the order backward produces gradients (as DDP does)
-        named = [(n, p) for n, p in named_params if p.requires_grad][::-1]
+        named = backward_order([(n, p) for n, p in named_params if p.requires_grad], first_use or {})
         limit = max(1, int(bucket_mb * 2**20))
         self.buckets: list[Bucket] = []
         for kind in ("dense", "expert"):

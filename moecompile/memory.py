@@ -38,7 +38,7 @@ from torch._subclasses import FakeTensorMode
 
 from .costs import human, node_flops
 from .errors import MoecompileError
-from .grad_sync import expert_parameters
+from .grad_sync import expert_parameters, param_reads
 from .graph import module_path
 from .memory_shards import optimizer_ranks, ranged_bytes, sharded_state
 from .meta import Role, moe
@@ -438,8 +438,9 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
     group of one rank (experts at edp = 1) stays whole.
 
     ``shard_parameters`` (None: ``plan.parallel.shard_parameters`` where shard_gradients is on): ZeRO-3, the
-    parameters are this rank's range too, plus the whole buckets gathered (``in_flight_params``):
-    IN_FLIGHT_PARAM_BUCKETS = 2 (the one read and the next, prefetched) x the largest sharded bucket.
+    parameters are this rank's range too, plus the whole buckets gathered (``in_flight_params``): the most
+    at once as the runtime gathers them, simulated over the graph's reads (a bucket whole from its first read to
+    its last, the next one prefetched; memory_shards.gathered_peak).
     """
     if optimizer not in _OPTIMIZER_STATES:
         raise MoecompileError(f"estimate_memory: optimizer {optimizer!r} unknown; use one of {', '.join(_OPTIMIZER_STATES)}")
@@ -479,7 +480,8 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
                               "and shard_optimizer=True too, or shard_parameters=False")
     # this rank's ranges, the pool of whole gradient buckets backward fills and sends, the parameter buckets gathered
     mine, g_bytes, in_flight, gathered = sharded_state(trainable, experts, dp, edp, bucket_mb,
-                                                       grads=bool(shard_gradients), params=bool(shard_parameters))
+                                                       grads=bool(shard_gradients), params=bool(shard_parameters),
+                                                       reads=param_reads(gm))
     p_bytes = mine + gathered + sum(p.numel() * p.element_size() for p in named.values() if not p.requires_grad)
     m_bytes = ranged(lambda p: 4) if master_weights else 0  # the masters and, as much, their fp32 .grad
     if state_dtype is not None:

@@ -13,17 +13,19 @@ sharded buckets gathered while forward or backward reads them (moecompile/param_
 from __future__ import annotations
 
 import collections
+import dataclasses
 from typing import Any, Callable
 
 import torch
 
 from .errors import MoecompileError
 from .grad_shards import IN_FLIGHT
-from .grad_sync import ALIGN_BYTES
+from .grad_sync import ALIGN_BYTES, backward_order
 
-# Whole sharded parameter buckets a rank holds gathered at once under ZeRO-3: the one forward (or backward)
-# reads and the next, prefetched. Mirrors the runtime's prefetch depth of one bucket (param_shards.py).
-IN_FLIGHT_PARAM_BUCKETS = 2
+# Whole sharded parameter buckets the planner prices as gathered at once under ZeRO-3, where it has no graph: a
+# layer's two expert weight tensors read together (each a bucket of its own at scale) and the next bucket,
+# prefetched (param_shards.py). estimate_memory simulates the graph's reads instead (gathered_peak).
+IN_FLIGHT_PARAM_BUCKETS = 3
 
 
 def optimizer_ranks(result: Any, shard: bool | None, dp: int | None, ep: int) -> tuple[bool, int, int]:
@@ -52,42 +54,102 @@ def ranged_bytes(trainable: dict[str, torch.nn.Parameter], experts: set[str], dp
     return total
 
 
-def sharded_buckets(trainable: dict[str, torch.nn.Parameter], experts: set[str], dp: int, edp: int,
-                    bucket_mb: float) -> tuple[int, int]:
-    """(bytes of the largest, how many) gradient buckets split over more than one rank, as GradBuckets lays
-    them out: per kind and dtype in reverse registration order, up to ``bucket_mb`` (or one larger
-    parameter), each parameter ALIGN_BYTES-aligned and the bucket padded to whole ranges."""
-    limit, largest, count = max(1, int(bucket_mb * 2**20)), 0, 0
+@dataclasses.dataclass(frozen=True)
+class BucketShape:
+    """One bucket GradBuckets will build, without its memory."""
+
+    names: tuple[str, ...]
+    ranks: int  # the ranks it is split over (1: kept whole)
+    numel: int  # elements, with ALIGN_BYTES alignment and the padding to whole ranges when split
+    elem: int  # bytes per element
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.elem
+
+
+def bucket_layout(trainable: dict[str, torch.nn.Parameter], experts: set[str], dp: int, edp: int, bucket_mb: float,
+                  first_use: dict[str, int] | None = None) -> list[BucketShape]:
+    """The buckets of a sharded step, as GradBuckets lays them out: per kind (dense over ``dp`` ranks, experts over
+    ``edp``) and dtype, in the order backward completes them (grad_sync.backward_order of the graph's
+    ``first_use``), up to ``bucket_mb`` (or one larger parameter), each parameter ALIGN_BYTES-aligned where the
+    bucket is split, and the bucket padded to whole ranges."""
+    limit, out = max(1, int(bucket_mb * 2**20)), []
+    ordered = backward_order(list(trainable.items()), first_use or {})
     for kind, d in (("dense", dp), ("expert", edp)):
-        chunks: dict[torch.dtype, list[list[int]]] = {}  # per dtype: the buckets, as [bytes, aligned elements]
-        for name, p in reversed(trainable.items()):
-            if d > 1 and (name in experts) == (kind == "expert"):
-                size, align = p.element_size(), max(1, ALIGN_BYTES // p.element_size())
-                if p.dtype not in chunks:
-                    chunks[p.dtype], count = [[0, 0]], count + 1
-                bucket = chunks[p.dtype][-1]
-                if bucket[0] and bucket[0] + p.numel() * size > limit:
-                    bucket, count = [0, 0], count + 1
-                    chunks[p.dtype].append(bucket)
-                bucket[0] += p.numel() * size
-                bucket[1] += -(-p.numel() // align) * align
-                largest = max(largest, -(-bucket[1] // (d * align)) * d * align * size)
-    return largest, count
+        groups: dict[tuple, list[tuple[str, torch.nn.Parameter]]] = {}
+        for name, p in ordered:
+            if (name in experts) == (kind == "expert"):
+                groups.setdefault((p.dtype, p.device), []).append((name, p))
+        for params in groups.values():
+            chunks: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
+            size = 0
+            for name, p in params:
+                if chunks[-1] and size + p.numel() * p.element_size() > limit:
+                    chunks.append([])
+                    size = 0
+                chunks[-1].append((name, p))
+                size += p.numel() * p.element_size()
+            for chunk in chunks:
+                elem = chunk[0][1].element_size()
+                align = max(1, ALIGN_BYTES // elem) if d > 1 else 1
+                end = 0
+                for _, p in chunk:
+                    end = -(-(end + p.numel()) // align) * align
+                numel = -(-end // (d * align)) * d * align if d > 1 else end
+                out.append(BucketShape(tuple(n for n, _ in chunk), d, numel, elem))
+    return out
+
+
+def gathered_peak(buckets: list[BucketShape], reads: dict[str, tuple[int, int]]) -> int:
+    """Most bytes of whole parameter buckets ZeRO-3 holds at once (param_shards.py): a bucket is gathered before
+    the graph's first read of it, with the next one not yet done prefetched, and released after its last read;
+    backward does the same in reverse. ``reads``: each parameter's first and last read (grad_sync.param_reads)."""
+    spans = []
+    for b in buckets:
+        at = [reads[n] for n in b.names if n in reads]
+        if at:
+            spans.append((min(f for f, _ in at), max(last for _, last in at), b.nbytes))
+    peak = 0
+    for forward in (True, False):
+        seen = spans if forward else [(-last, -first, size) for first, last, size in spans]
+        order = sorted(range(len(seen)), key=lambda k: seen[k][0])
+        events = sorted([(seen[k][0], 0, k) for k in order] + [(seen[k][1], 1, k) for k in order])
+        whole: set[int] = set()
+        pending: set[int] = set()
+        done: set[int] = set()
+        for _, release, k in events:
+            if release:
+                whole.discard(k)
+                done.add(k)
+                continue
+            pending.discard(k)
+            whole.add(k)
+            nxt = next((j for j in order[order.index(k) + 1 :] if j not in done), None)
+            if nxt is not None and nxt not in whole:
+                pending.add(nxt)
+            peak = max(peak, sum(seen[j][2] for j in whole | pending))
+    return peak
 
 
 def sharded_state(trainable: dict[str, torch.nn.Parameter], experts: set[str], dp: int, edp: int, bucket_mb: float,
-                  *, grads: bool, params: bool) -> tuple[int, int, int, int]:
+                  *, grads: bool, params: bool, reads: dict[str, tuple[int, int]] | None = None
+                  ) -> tuple[int, int, int, int]:
     """Bytes a rank keeps of the trainable parameters and their model-dtype gradients: (parameters, gradients,
-    ZeRO-2's whole gradient buckets in flight, ZeRO-3's whole parameter buckets gathered).
+    ZeRO-2's whole gradient buckets in flight, ZeRO-3's whole parameter buckets gathered at most).
 
-    ``grads`` (ZeRO-2): the gradients are this rank's range, + min(IN_FLIGHT + 1, sharded buckets) x the
-    largest. ``params`` (ZeRO-3, needs ``grads``): the parameters are the range too, + min(IN_FLIGHT_PARAM_BUCKETS,
-    sharded buckets) x the largest, in the model dtype (a bucket's parameters and gradients share its layout).
+    ``grads`` (ZeRO-2): the gradients are this rank's range of each split bucket (padding included), + min(IN_FLIGHT
+    + 1, split buckets) x the largest. ``params`` (ZeRO-3, needs ``grads``): the parameters are that range too, +
+    the most whole buckets gathered at once as the graph reads them (``reads``, see :func:`gathered_peak`).
     """
     whole = sum(p.numel() * p.element_size() for p in trainable.values())
     if not grads:
         return whole, whole, 0, 0
-    mine = ranged_bytes(trainable, experts, dp, edp)(lambda p: p.element_size())
-    largest, count = sharded_buckets(trainable, experts, dp, edp, bucket_mb)
-    gathered = min(IN_FLIGHT_PARAM_BUCKETS, count) * largest if params else 0
-    return (mine if params else whole), mine, min(IN_FLIGHT + 1, count) * largest, gathered
+    reads = reads or {}
+    layout = bucket_layout(trainable, experts, dp, edp, bucket_mb, {n: f for n, (f, _) in reads.items()})
+    split = [b for b in layout if b.ranks > 1]
+    mine = sum(b.nbytes // b.ranks for b in split)
+    mine += sum(trainable[n].numel() * trainable[n].element_size() for b in layout if b.ranks == 1 for n in b.names)
+    largest = max((b.nbytes for b in split), default=0)
+    gathered = gathered_peak(split, reads) if params else 0
+    return (mine if params else whole), mine, min(IN_FLIGHT + 1, len(split)) * largest, gathered

@@ -16,6 +16,10 @@ One call runs::
 With ``parallel.shard_optimizer`` (ZeRO-1) the all-reduce becomes a reduce-scatter, the optimizer
 updates this rank's range of each bucket (its state and masters exist for that range only), and
 an all-gather of the parameters follows it (moecompile.grad_sync, moecompile.optimizer).
+``parallel.shard_gradients`` (ZeRO-2) reduce-scatters each bucket as backward completes it
+(moecompile.grad_shards); ``parallel.shard_parameters`` (ZeRO-3) keeps this rank's range of the
+parameters too, and the graph gathers each bucket where it is read (moecompile.param_shards):
+read them outside a step inside ``step.gathered()``.
 
 A batch of M times the batch the graph was traced at runs as M micro-batches (gradient
 accumulation: each backward adds 1/M of its loss into the buckets, synced once; router losses
@@ -42,7 +46,7 @@ import torch.utils._pytree as pytree
 
 from . import host_memory, param_shards
 from .errors import MoecompileError
-from .grad_sync import GradBuckets, expert_parameters, moe_blocks
+from .grad_sync import GradBuckets, expert_parameters, first_reads, moe_blocks
 from .optimizer import OptimizerFactory, build_optimizer, updates_for
 
 log = logging.getLogger(__name__)
@@ -132,7 +136,7 @@ class TrainStep:
         param_shards.take_over(self.module)  # a step built before on this module gives its parameters back whole
         self.buckets = GradBuckets(params.items(), self.expert_names, self.world, bucket_mb, shard=self.sharded,
                                    shard_grads=self.sharded and self.plan.parallel.shard_gradients,
-                                   first_use=_first_use(self.module),
+                                   first_use=first_reads(self.module),
                                    shard_params=self.sharded and self.plan.parallel.shard_parameters)
         if self.buckets.param_shards is not None:
             self.buckets.param_shards.instrument(self.module)
@@ -327,16 +331,6 @@ class TrainStep:
         from .checkpoint import load
 
         load(self, path)
-
-
-def _first_use(gm: nn.Module) -> dict[str, int]:
-    """Each parameter's first read in the forward graph, by position (backward completes them in reverse)."""
-    out: dict[str, int] = {}
-    graph = getattr(gm, "graph", None)
-    for i, node in enumerate(graph.nodes if graph is not None else ()):
-        if node.op == "get_attr":
-            out.setdefault(node.target, i)
-    return out
 
 
 def traced_batch(gm: nn.Module) -> int | None:

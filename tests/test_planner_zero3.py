@@ -42,8 +42,8 @@ def _deep(profile, factor: int):
     return dataclasses.replace(profile, layers=layers)
 
 
-def test_sharded_parameters_are_the_ranks_range_plus_two_buckets_gathered(tiny_profile):
-    """bf16 params 2 B: dense / dp, experts / edp, + 2 whole buckets (25 MiB, or all of a kind's params if less)."""
+def test_sharded_parameters_are_the_ranks_range_plus_three_buckets_gathered(tiny_profile):
+    """bf16 params 2 B: dense / dp, experts / edp, + 3 whole buckets (25 MiB, or all of a kind's params if less)."""
     from moecompile.planner.cost_model import static_memory
 
     D, X = tiny_profile.dense_params, tiny_profile.expert_params
@@ -51,23 +51,23 @@ def test_sharded_parameters_are_the_ranks_range_plus_two_buckets_gathered(tiny_p
     z2, z3 = (_mem(estimate(tiny_profile, cl, _zero(tiny_profile, 2, level), 8)) for level in (2, 3))
     # ep=2 on 8 GPUs: dp=8, edp=4; the experts' 786432 B per rank are less than a bucket: one bucket, the largest
     assert z2["params"] == (D + X / 2) * 2
-    assert z3["params"] == pytest.approx((D / 8 + X / 2 / 4) * 2 + 2 * (X / 2 * 2))
+    assert z3["params"] == pytest.approx((D / 8 + X / 2 / 4) * 2 + 3 * (X / 2 * 2))
     assert (z3["grads"], z3["optimizer"], z3["activations"]) == (z2["grads"], z2["optimizer"], z2["activations"])
     # ep=8 on 8 GPUs: experts have no replica (edp=1): they stay whole, and only the dense bucket is gathered
     full_ep = _mem(estimate(tiny_profile, cl, _zero(tiny_profile, 8, 3), 8))
-    assert full_ep["params"] == pytest.approx((D / 8 + X / 8) * 2 + 2 * (D * 2))
+    assert full_ep["params"] == pytest.approx((D / 8 + X / 8) * 2 + 3 * (D * 2))
     # past the bucket size the range saves: 2000 MoE layers (D, X ~ 10 M, 786 M elements), 25 MiB buckets
     big = _deep(tiny_profile, 1000)
     Db, Xb = big.dense_params, big.expert_params
     z2b, z3b = (_mem(estimate(big, cl, _zero(big, 1, level), 8)) for level in (2, 3))
-    assert z3b["params"] == pytest.approx((Db + Xb) / 8 * 2 + 2 * 25 * MiB)
+    assert z3b["params"] == pytest.approx((Db + Xb) / 8 * 2 + 3 * 25 * MiB)
     assert z2b["params"] - z3b["params"] > 1e9
     assert (static_memory(big, _zero(big, 1, 2), 8) - static_memory(big, _zero(big, 1, 3), 8)
             == pytest.approx(z2b["params"] - z3b["params"]))
     est = estimate(big, cl, _zero(big, 1, 3), 8)
     assert "zero3" in est.candidate.describe() and "zero2" not in est.candidate.describe()
     params = next(t.detail for t in est.memory if t.name == "params")
-    assert "2 whole buckets gathered" in params and "its range (zero3)" in params
+    assert "3 whole buckets gathered" in params and "its range (zero3)" in params
 
 
 def test_sharded_parameters_gather_twice_per_micro_batch(tiny_profile):

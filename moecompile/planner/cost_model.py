@@ -470,9 +470,9 @@ def in_flight_bytes(profile: ModelProfile, cand: Candidate, gpus: int) -> float:
 
 
 def gathered_bytes(profile: ModelProfile, cand: Candidate, gpus: int) -> float:
-    """ZeRO-3's whole parameter buckets one rank holds gathered besides its range: IN_FLIGHT_PARAM_BUCKETS (the
-    bucket forward or backward reads and the next, prefetched) x the largest sharded bucket, in the parameter
-    dtype; 0 without ``parallel.shard_parameters``."""
+    """ZeRO-3's whole parameter buckets one rank holds gathered besides its range: IN_FLIGHT_PARAM_BUCKETS (a
+    layer's two expert tensors read together and the next bucket, prefetched) x the largest sharded bucket, in
+    the parameter dtype; 0 without ``parallel.shard_parameters``."""
     if not cand.shard_parameters:
         return 0.0
     return IN_FLIGHT_PARAM_BUCKETS * largest_bucket(profile, cand, gpus, profile.elem_bytes)
