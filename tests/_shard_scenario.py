@@ -119,11 +119,16 @@ def two_ranks_worker(rank: int, world_size: int, out: str) -> dict:
     return res
 
 
-@functools.lru_cache(maxsize=None)
-def two_ranks() -> tuple[Path, list[dict]]:
+def _on_two_ranks(worker: Any) -> tuple[Path, list[dict]]:
+    """``worker(rank, world_size, out)`` on 2 ranks, with a directory for them that lives as long as the tests."""
     out = Path(tempfile.mkdtemp(prefix="moecompile-zero-"))
     atexit.register(shutil.rmtree, out, True)
-    return out, run(two_ranks_worker, 2, (str(out),), timeout=400)
+    return out, run(worker, 2, (str(out),), timeout=400)
+
+
+@functools.lru_cache(maxsize=None)
+def two_ranks() -> tuple[Path, list[dict]]:
+    return _on_two_ranks(two_ranks_worker)
 
 
 def four_ranks_worker(rank: int, world_size: int, ckpt: str) -> dict:
@@ -212,6 +217,4 @@ def zero3_worker(rank: int, world_size: int, out: str) -> dict:
 
 @functools.lru_cache(maxsize=None)
 def zero3_two_ranks() -> tuple[Path, list[dict]]:
-    out = Path(tempfile.mkdtemp(prefix="moecompile-zero3-"))
-    atexit.register(shutil.rmtree, out, True)
-    return out, run(zero3_worker, 2, (str(out),), timeout=400)
+    return _on_two_ranks(zero3_worker)

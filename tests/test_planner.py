@@ -482,7 +482,6 @@ def test_the_search_shards_the_gradients_when_only_that_fits(tiny_profile):
 
 def test_cli_plan_shard_gradients(tmp_path, capsys, monkeypatch, tiny_profile):
     """--shard-gradients on writes parallel.shard_gradients: true; auto chooses it where only it fits."""
-    import moecompile.planner as planner
     from moecompile.cli import main
 
     out = tmp_path / "p.yaml"
@@ -495,14 +494,21 @@ def test_cli_plan_shard_gradients(tmp_path, capsys, monkeypatch, tiny_profile):
     assert "shard_gradients: true" in out.read_text()
     assert main(args + ["--shard-gradients", "on", "--shard-optimizer", "off"]) == 2
     assert "--shard-gradients on needs the sharded optimizer" in capsys.readouterr().err
-    # auto: a deep model on GPUs where only zero2 fits
     big = _deep(tiny_profile, 10000)
-    memory = _zero2_memory(big, 8)
+    only_sharding_fits(monkeypatch, capsys, args, out, big, _zero2_memory(big, 8), "zero2", "shard_gradients")
+
+
+def only_sharding_fits(monkeypatch, capsys, args: list[str], out, big, memory: float, level: str, field: str) -> None:
+    """`plan` of the deep profile ``big`` on GPUs of ``memory`` bytes, where only ``level`` fits: auto picks it and
+    writes ``parallel.<field>``; with ``--<field> off`` (kept whole) nothing fits."""
+    import moecompile.planner as planner
+    from moecompile.cli import main
+
     monkeypatch.setattr(planner, "preset", lambda name, gpus=None: tiny_cluster(gpus, memory_gb=memory / 1e9))
     monkeypatch.setattr(planner, "profile_config", lambda *a, **k: big)
     assert main(args) == 0
-    assert "zero2" in capsys.readouterr().out and mc.Plan.from_file(out).parallel.shard_gradients
-    assert main(args + ["--shard-gradients", "off"]) == 1  # gradients kept whole: nothing fits
+    assert level in capsys.readouterr().out and getattr(mc.Plan.from_file(out).parallel, field)
+    assert main(args + ["--" + field.replace("_", "-"), "off"]) == 1
     assert "no plan fits in memory" in capsys.readouterr().out
 
 

@@ -1,4 +1,4 @@
-"""The planner with parallel.shard_parameters (ZeRO-3, "zero3"): a rank's range of the parameters plus two whole
+"""The planner with parallel.shard_parameters (ZeRO-3, "zero3"): a rank's range of the parameters plus three whole
 buckets gathered, two all-gathers per bucket a micro-batch; searched where the gradients are sharded, chosen only
 when memory needs it; ``moecompile plan --shard-parameters``. (ZeRO-1/2 are tested in test_planner.py.)"""
 
@@ -10,20 +10,12 @@ import pytest
 
 import moecompile as mc
 from moecompile.errors import MoecompileError
-from moecompile.planner import Candidate, SearchSpace, enumerate_candidates, estimate, preset, profile_config
+from moecompile.planner import Candidate, SearchSpace, enumerate_candidates, estimate
 from moecompile.planner.search import TIE, _rank_key
 
-MANY = {"num_experts": 64, "top_k": 2}  # experts dominate the tiny model's parameters
+from test_planner import MANY, _deep, only_sharding_fits, tiny_cluster, tiny_profile  # noqa: F401 (a fixture)
+
 SPACE = SearchSpace(expert_parallel=True, micro_batches=(1,))
-
-
-def tiny_cluster(gpus: int, memory_gb: float = 80.0):
-    return preset("h100", gpus, gpus_per_node=8, memory_bytes=memory_gb * 1e9)
-
-
-@pytest.fixture(scope="module")
-def tiny_profile():
-    return profile_config("tiny-llama", seq_len=8, experts=MANY)
 
 
 def _zero(profile, ep: int, level: int, **kw) -> Candidate:
@@ -34,12 +26,6 @@ def _zero(profile, ep: int, level: int, **kw) -> Candidate:
 
 def _mem(est) -> dict:
     return {t.name: t.value for t in est.memory}
-
-
-def _deep(profile, factor: int):
-    """``profile`` with ``factor`` x its MoE layers: many parameters, none larger than before."""
-    layers = [dataclasses.replace(lp, count=lp.count * factor) if lp.kind == "moe" else lp for lp in profile.layers]
-    return dataclasses.replace(profile, layers=layers)
 
 
 def test_sharded_parameters_are_the_ranks_range_plus_three_buckets_gathered(tiny_profile):
@@ -162,12 +148,5 @@ def test_cli_plan_shard_parameters(tmp_path, capsys, monkeypatch, tiny_profile):
         assert main(args + ["--shard-parameters", "on", other, "off"]) == 2
         assert "--shard-parameters on needs the sharded optimizer and gradients" in capsys.readouterr().err
     assert main(args) == 0 and not mc.Plan.from_file(out).parallel.shard_parameters  # roomy: zero3 is slower
-    # auto: a deep model on GPUs where only zero3 fits
-    big = _deep(tiny_profile, 10000)
-    memory = _zero3_memory(big, 8)
-    monkeypatch.setattr(planner, "preset", lambda name, gpus=None: tiny_cluster(gpus, memory_gb=memory / 1e9))
-    monkeypatch.setattr(planner, "profile_config", lambda *a, **k: big)
-    assert main(args) == 0
-    assert "zero3" in capsys.readouterr().out and mc.Plan.from_file(out).parallel.shard_parameters
-    assert main(args + ["--shard-parameters", "off"]) == 1  # parameters kept whole: nothing fits
-    assert "no plan fits in memory" in capsys.readouterr().out
+    big = _deep(tiny_profile, 10000)  # auto: a deep model on GPUs where only zero3 fits
+    only_sharding_fits(monkeypatch, capsys, args, out, big, _zero3_memory(big, 8), "zero3", "shard_parameters")
