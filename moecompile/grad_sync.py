@@ -33,6 +33,7 @@ the whole bucket is gathered only while forward or backward reads it (moecompile
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Iterable
 
 import torch
@@ -78,6 +79,28 @@ def expert_parameters(gm: fx.GraphModule) -> dict[str, ExpertTensor]:
     return out
 
 
+def readers(node: fx.Node) -> list[fx.Node]:
+    """The nodes that read ``node``'s tensor: its users, and through the views of it they make (t, view, expand,
+    alias, ... and the elements of a split) the users of those. A parameter is needed until the last of them."""
+    out, stack = [], list(node.users)
+    while stack:
+        user = stack.pop()
+        out.append(user)
+        if _makes_view(user):
+            stack.extend(user.users)
+    return out
+
+
+def _makes_view(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:  # reached from a view op only: an element of its outputs
+        return True
+    returns = getattr(getattr(node.target, "_schema", None), "returns", None)
+    alias = returns[0].alias_info if returns else None
+    return alias is not None and not alias.is_write
+
+
 def param_reads(gm: nn.Module) -> dict[str, tuple[int, int]]:
     """Each parameter's first and last read in the forward graph, by the positions of the nodes that use it
     (through ZeRO-3's gather node, if a step has placed one)."""
@@ -91,16 +114,19 @@ def param_reads(gm: nn.Module) -> dict[str, tuple[int, int]]:
     for node in graph.nodes:
         if node.op != "get_attr":
             continue
-        users = []
+        first, last = [], []
         for u in node.users:
-            if u.op == "call_function" and u.target is gather_bucket:
-                i = u.args.index(node, 2) - 2
-                users += [w for item in u.users if item.args[1] == i for w in item.users]
+            if u.op == "call_function" and u.target is gather_bucket:  # read through the gather's element for it
+                items = [item for item in u.users if item.args[1] == u.args.index(node, 2) - 2]
+                first += [w for item in items for w in item.users]
+                last += [w for item in items for w in readers(item)]
             else:
-                users.append(u)
-        at = [order[u] for u in users] or [order[node]]
-        lo, hi = out.get(node.target, (min(at), max(at)))
-        out[node.target] = (min(lo, *at), max(hi, *at))
+                first.append(u)
+                last += [u, *(readers(u) if _makes_view(u) else [])]
+        lo = min((order[u] for u in first), default=order[node])
+        hi = max((order[u] for u in last), default=order[node])
+        was = out.get(node.target, (lo, hi))
+        out[node.target] = (min(was[0], lo), max(was[1], hi))
     return out
 
 

@@ -152,7 +152,9 @@ class ParameterShards:
     # ------------------------------------------------------------------ the graph
 
     def instrument(self, gm: fx.GraphModule) -> None:
-        """Read every sharded parameter through its bucket's gather node; release the bucket after its last read."""
+        """Read every sharded parameter through its bucket's gather node; release the bucket after its last read
+        (of the parameter or of a view of it: a view read later would be saved whole, not as a handle)."""
+        from .grad_sync import readers
         take_over(gm)
         _BY_MODULE[gm] = self
         self.module = gm
@@ -175,9 +177,9 @@ class ParameterShards:
                 "reads them), so their gathers cannot be placed; set parallel.shard_parameters: false")
         span = {}
         for k, per_param in reads.items():
-            users = [u for getattrs in per_param for g in getattrs for u in g.users] or [g for gs in per_param for g in gs]
-            first = min(users, key=order.__getitem__)
-            last = max(users, key=order.__getitem__)
+            nodes = [g for gs in per_param for g in gs]
+            first = min([u for g in nodes for u in g.users] or nodes, key=order.__getitem__)
+            last = max([u for g in nodes for u in readers(g)] or nodes, key=order.__getitem__)  # views too
             span[k] = (order[first], order[last])
             for getattrs in per_param:  # a read of a parameter has no inputs: it may move up to the gather
                 for g in getattrs:
