@@ -12,8 +12,9 @@ Whatever would hold a gathered tensor from forward to backward holds a handle in
 autograd's saved tensors, and a recompute region's inputs (passes/regions.py calls ``pack`` and
 ``unpack``). Backward's first ``unpack`` of bucket k gathers it again (the next one prefetched),
 and it is released once all its gradients are in (ZeRO-2's hooks call ``gradients_in``). So a
-rank holds 1/d of the parameters plus about two whole buckets, and every collective is issued in
-graph or autograd order, the same on every rank.
+rank holds 1/d of the parameters plus the buckets being read and the next one (a bucket is read
+from the first read of its parameters to the last, views of them included: grad_sync.readers),
+and every collective is issued in graph or autograd order, the same on every rank.
 
 A parameter's own ``.data`` is a NaN expanded to its shape (no memory; autograd still sees its
 shape); ``step.gathered()`` gathers every bucket into the parameters on every rank, for whatever
