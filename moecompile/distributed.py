@@ -133,6 +133,20 @@ def init(
     return build_world(ep, timeout_s)
 
 
+def shutdown() -> None:
+    """Destroy the process groups, after freeing what still refers to them.
+
+    A training step sits in reference cycles (its runner holds it; compiled graphs hold themselves), so
+    without a collection first it is freed at interpreter exit, after its groups are destroyed, and gloo then
+    aborts the process ("terminate called without an active exception") though the work finished.
+    """
+    import gc
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def world_from_plan(plan: Any) -> World:
     """The world for ``plan.parallel`` on the already-initialised ``torch.distributed``."""
     return build_world(plan.parallel.ep, plan.parallel.timeout_s)

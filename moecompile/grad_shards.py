@@ -30,6 +30,20 @@ IN_FLIGHT = 2  # buckets whose reduce-scatter may still be running while backwar
 _HOOKS: dict[int, tuple[weakref.ref, Any]] = {}  # id(parameter) -> (it, its hook): one step owns a parameter
 
 
+class _Arrived:
+    """A parameter's post-accumulate hook, holding its GradientShards weakly: a strong reference would make a cycle
+    (parameter -> hook -> buckets -> parameter) that only the garbage collector frees, and that can leave a
+    process group to be torn down at interpreter exit, where gloo aborts the process."""
+
+    def __init__(self, shards: "GradientShards"):
+        self.shards = weakref.ref(shards)
+
+    def __call__(self, p: nn.Parameter) -> None:
+        shards = self.shards()
+        if shards is not None:
+            shards._arrived(p)
+
+
 class GradientShards:
     """Backward's gradients, reduce-scattered bucket by bucket into each sharded bucket's own range."""
 
@@ -56,7 +70,7 @@ class GradientShards:
                 earlier = _HOOKS.get(id(p))
                 if earlier is not None and earlier[0]() is p:  # a step built earlier on the module gives it up
                     earlier[1].remove()
-                _HOOKS[id(p)] = (weakref.ref(p), p.register_post_accumulate_grad_hook(self._arrived))
+                _HOOKS[id(p)] = (weakref.ref(p), p.register_post_accumulate_grad_hook(_Arrived(self)))
         self.exchange = {id(b): _is_gloo(b.group) for b in self.buckets}
         self.pool: list[torch.Tensor] = []
         self.pending: collections.deque = collections.deque()

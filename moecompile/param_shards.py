@@ -140,7 +140,7 @@ class ParameterShards:
         self.held = False  # inside gathered(): nothing is released
         self.peak_bytes = 0  # most bytes of gathered buckets alive at once, whoever holds them
         self._gathered: weakref.WeakSet = weakref.WeakSet()  # every buffer gathered, while anything refers to it
-        self.module: nn.Module | None = None
+        self.module: weakref.ref | None = None  # weak: _BY_MODULE's key must be free to go
         self.placeholders = {}
         for b in self.buckets:
             lo, hi = b.own
@@ -158,7 +158,7 @@ class ParameterShards:
         from .grad_sync import readers
         take_over(gm)
         _BY_MODULE[gm] = self
-        self.module = gm
+        self.module = weakref.ref(gm)
         where = {id(p): (k, i) for k, b in enumerate(self.buckets) for i, p in enumerate(b.params)}
         nodes = list(gm.graph.nodes)
         order = {n: i for i, n in enumerate(nodes)}
@@ -314,9 +314,10 @@ class ParameterShards:
             for o, p in zip(b.offsets, b.params):
                 p.data = buffer[o : o + p.numel()].view(p.shape).clone()
         self.release_all()
-        if self.module is not None:
+        module = self.module() if self.module is not None else None
+        if module is not None:
             self._guard.remove()
-            graph = self.module.graph
+            graph = module.graph
             for n in list(graph.nodes):
                 if n.op == "call_function" and n.target is gather_bucket:
                     for item in list(n.users):
@@ -325,4 +326,4 @@ class ParameterShards:
                     graph.erase_node(n)
                 elif n.op == "call_function" and n.target is release_bucket:
                     graph.erase_node(n)
-            self.module.recompile()
+            module.recompile()

@@ -39,8 +39,9 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, results: Any, a
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from moecompile.distributed import shutdown
+
+        shutdown()
 
 
 def spawn(fn: Callable, world_size: int, args: tuple = (), timeout: float = 90.0, may_exit: tuple[int, ...] = ()) -> list[Any]:

@@ -39,7 +39,9 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out, f"{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        from moecompile.distributed import shutdown
+
+        shutdown()
 
 
 def run(fn: Callable, world_size: int, args: tuple = (), timeout: float = 180.0) -> list[Any]:

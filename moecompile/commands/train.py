@@ -249,9 +249,10 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
     if lead:
         print(_format_summary(summary), flush=True)
     if s.world is not None:
-        import torch.distributed as dist
+        from ..distributed import shutdown
 
-        dist.destroy_process_group()
+        del s  # the step and its groups go first
+        shutdown()
     return summary
 
 

@@ -94,7 +94,9 @@ def _entry(rank: int, world: int, threads: int, port: int, fn: Callable, args: t
         torch.save(fn(rank, world, *args), os.path.join(out, f"{rank}.pt"))
     finally:
         if world > 1:
-            dist.destroy_process_group()
+            from ..distributed import shutdown
+
+            shutdown()
 
 
 def run_ranks(fn: Callable, world: int, args: tuple = (), threads: int | None = None,
