@@ -136,17 +136,17 @@ def _checkpointed(gm: fx.GraphModule, args: list[Any]) -> tuple:
     if len(kept) == len(args):
         return checkpoint(gm, *args, use_reentrant=False)
     first = [list(args)]  # the forward's own tensors, used once
+    grads = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
 
     def run(*rest: Any) -> tuple:
         if first:
             return gm(*first.pop())
-        full = [param_shards.unpack(h).requires_grad_(a) if not isinstance(h, torch.Tensor) else h
-                for h, a in zip(held, grads)]  # recomputing must save what the forward saved
+        full = [param_shards.unpack(h).requires_grad_(g) if not isinstance(h, torch.Tensor) else h
+                for h, g in zip(held, grads)]  # recomputing must save what the forward saved
         for i, t in zip(kept, rest):
             full[i] = t
         return gm(*full)
 
-    grads = [isinstance(a, torch.Tensor) and a.requires_grad for a in args]
     return checkpoint(run, *[args[i] for i in kept], use_reentrant=False)
 
 
