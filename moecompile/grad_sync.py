@@ -142,6 +142,42 @@ def backward_order(named: list[tuple[str, nn.Parameter]], first_use: dict[str, i
     return sorted(named[::-1], key=lambda item: -first_use.get(item[0], -1))
 
 
+def cut_buckets(named: list[tuple[str, nn.Parameter]], expert_names: set[str],
+                bucket_mb: float) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
+    """(kind, its parameters) of each bucket: dense ones then expert ones, per dtype and device, in ``named``'s
+    order, each up to ``bucket_mb`` (or one larger parameter)."""
+    limit = max(1, int(bucket_mb * 2**20))
+    out = []
+    for kind in ("dense", "expert"):
+        by_key: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
+        for name, p in named:
+            if (name in expert_names) == (kind == "expert"):
+                by_key.setdefault((p.dtype, p.device), []).append((name, p))
+        for params in by_key.values():
+            chunk: list[tuple[str, nn.Parameter]] = []
+            size = 0
+            for name, p in params:
+                if chunk and size + p.numel() * p.element_size() > limit:
+                    out.append((kind, chunk))
+                    chunk, size = [], 0
+                chunk.append((name, p))
+                size += p.numel() * p.element_size()
+            if chunk:
+                out.append((kind, chunk))
+    return out
+
+
+def bucket_offsets(params: list[nn.Parameter], d: int) -> tuple[list[int], int]:
+    """Where each parameter starts in a bucket split over ``d`` ranks (ALIGN_BYTES-aligned when split), and the
+    bucket's elements, padded to ``d`` whole ranges."""
+    align = max(1, ALIGN_BYTES // params[0].element_size()) if d > 1 else 1
+    offsets, end = [], 0
+    for p in params:
+        offsets.append(end)
+        end = -(-(end + p.numel()) // align) * align
+    return offsets, (-(-end // (d * align)) * d * align if d > 1 else end)
+
+
 def start_all_gather(b: "Bucket", flat: torch.Tensor) -> list:
     """Launch the all-gather of a sharded bucket's ranges into ``flat`` (this rank's range is in place already).
 
@@ -246,31 +282,15 @@ class GradBuckets:
                  bucket_mb: float = 25.0, shard: bool = False, shard_grads: bool = False,
                  first_use: dict[str, int] | None = None, shard_params: bool = False):
         self.world = world
-        self.shard = shard
         self._scratch: torch.Tensor | None = None  # gloo's reduce-scatter by exchange receives here
         dp = getattr(world, "dp_group", None) if world is not None else None
         edp = getattr(world, "edp_group", None) if world is not None else None
         self.dp_size = _group_size(dp) if world is not None else 1
         groups = {"dense": dp, "expert": edp}
         named = backward_order([(n, p) for n, p in named_params if p.requires_grad], first_use or {})
-        limit = max(1, int(bucket_mb * 2**20))
-        self.buckets: list[Bucket] = []
-        for kind in ("dense", "expert"):
-            by_key: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
-            for name, p in named:
-                if (name in expert_names) == (kind == "expert"):
-                    by_key.setdefault((p.dtype, p.device), []).append((name, p))
-            for (dtype, device), params in by_key.items():
-                chunk: list[tuple[str, nn.Parameter]] = []
-                size = 0
-                for name, p in params:
-                    if chunk and size + p.numel() * p.element_size() > limit:
-                        self.buckets.append(self._bucket(kind, groups[kind], chunk, dtype, device))
-                        chunk, size = [], 0
-                    chunk.append((name, p))
-                    size += p.numel() * p.element_size()
-                if chunk:
-                    self.buckets.append(self._bucket(kind, groups[kind], chunk, dtype, device))
+        d = {kind: _group_size(groups[kind]) if shard and world is not None else 1 for kind in groups}
+        self.buckets = [self._bucket(kind, groups[kind], chunk, d[kind])
+                        for kind, chunk in cut_buckets(named, expert_names, bucket_mb)]
         self.grad_shards = None
         if shard_grads and any(b.shards > 1 for b in self.buckets):
             from .grad_shards import GradientShards
@@ -283,16 +303,10 @@ class GradBuckets:
             self.param_shards = ParameterShards(self)
             self.grad_shards.on_bucket_done = self.param_shards.gradients_in
 
-    def _bucket(self, kind: str, group: Any, named: list[tuple[str, nn.Parameter]], dtype: torch.dtype,
-                device: torch.device) -> Bucket:
+    def _bucket(self, kind: str, group: Any, named: list[tuple[str, nn.Parameter]], d: int) -> Bucket:
         params = [p for _, p in named]
-        d = _group_size(group) if self.shard and self.world is not None else 1
-        align = max(1, ALIGN_BYTES // params[0].element_size()) if d > 1 else 1
-        offsets, end = [], 0
-        for p in params:
-            offsets.append(end)
-            end = -(-(end + p.numel()) // align) * align
-        flat = torch.zeros(-(-end // (d * align)) * d * align if d > 1 else end, dtype=dtype, device=device)
+        offsets, numel = bucket_offsets(params, d)
+        flat = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         views = [flat[o : o + p.numel()].view_as(p) for o, p in zip(offsets, params)]
         bucket = Bucket(kind, group, flat, params, views, [n for n, _ in named], offsets)
         if d > 1:  # the parameters move into a buffer laid out like the gradients, for the all-gather

@@ -20,7 +20,7 @@ import torch
 
 from .errors import MoecompileError
 from .grad_shards import IN_FLIGHT
-from .grad_sync import ALIGN_BYTES, backward_order
+from .grad_sync import backward_order, bucket_offsets, cut_buckets
 
 # Whole sharded parameter buckets the planner prices as gathered at once under ZeRO-3, where it has no graph: a
 # layer's two expert weight tensors read together (each a bucket of its own at scale) and the next bucket,
@@ -70,34 +70,14 @@ class BucketShape:
 
 def bucket_layout(trainable: dict[str, torch.nn.Parameter], experts: set[str], dp: int, edp: int, bucket_mb: float,
                   first_use: dict[str, int] | None = None) -> list[BucketShape]:
-    """The buckets of a sharded step, as GradBuckets lays them out: per kind (dense over ``dp`` ranks, experts over
-    ``edp``) and dtype, in the order backward completes them (grad_sync.backward_order of the graph's
-    ``first_use``), up to ``bucket_mb`` (or one larger parameter), each parameter ALIGN_BYTES-aligned where the
-    bucket is split, and the bucket padded to whole ranges."""
-    limit, out = max(1, int(bucket_mb * 2**20)), []
-    ordered = backward_order(list(trainable.items()), first_use or {})
-    for kind, d in (("dense", dp), ("expert", edp)):
-        groups: dict[tuple, list[tuple[str, torch.nn.Parameter]]] = {}
-        for name, p in ordered:
-            if (name in experts) == (kind == "expert"):
-                groups.setdefault((p.dtype, p.device), []).append((name, p))
-        for params in groups.values():
-            chunks: list[list[tuple[str, torch.nn.Parameter]]] = [[]]
-            size = 0
-            for name, p in params:
-                if chunks[-1] and size + p.numel() * p.element_size() > limit:
-                    chunks.append([])
-                    size = 0
-                chunks[-1].append((name, p))
-                size += p.numel() * p.element_size()
-            for chunk in chunks:
-                elem = chunk[0][1].element_size()
-                align = max(1, ALIGN_BYTES // elem) if d > 1 else 1
-                end = 0
-                for _, p in chunk:
-                    end = -(-(end + p.numel()) // align) * align
-                numel = -(-end // (d * align)) * d * align if d > 1 else end
-                out.append(BucketShape(tuple(n for n, _ in chunk), d, numel, elem))
+    """The buckets of a sharded step, as GradBuckets lays them out (grad_sync.cut_buckets in backward_order of the
+    graph's ``first_use``; grad_sync.bucket_offsets): dense ones split over ``dp`` ranks, experts over ``edp``."""
+    named = backward_order(list(trainable.items()), first_use or {})
+    out = []
+    for kind, chunk in cut_buckets(named, experts, bucket_mb):
+        d = dp if kind == "dense" else edp
+        _, numel = bucket_offsets([p for _, p in chunk], d)
+        out.append(BucketShape(tuple(n for n, _ in chunk), d, numel, chunk[0][1].element_size()))
     return out
 
 

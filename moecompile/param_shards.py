@@ -35,6 +35,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .errors import MoecompileError
+from .grad_sync import readers, start_all_gather
 
 _OWNERS: "weakref.WeakValueDictionary[int, ParameterShards]" = weakref.WeakValueDictionary()
 _BY_MODULE: "weakref.WeakKeyDictionary[nn.Module, ParameterShards]" = weakref.WeakKeyDictionary()
@@ -127,9 +128,6 @@ class ParameterShards:
     """The sharded buckets' parameters: this rank's range kept, the whole gathered while in use."""
 
     def __init__(self, owner: Any):
-        from .grad_sync import start_all_gather
-
-        self._start_all_gather = start_all_gather
         self.key = next(_KEYS)
         _OWNERS[self.key] = self
         self.buckets = [b for b in owner.buckets if b.shards > 1]
@@ -155,7 +153,6 @@ class ParameterShards:
     def instrument(self, gm: fx.GraphModule) -> None:
         """Read every sharded parameter through its bucket's gather node; release the bucket after its last read
         (of the parameter or of a view of it: a view read later would be saved whole, not as a handle)."""
-        from .grad_sync import readers
         take_over(gm)
         _BY_MODULE[gm] = self
         self.module = weakref.ref(gm)
@@ -216,7 +213,7 @@ class ParameterShards:
         buffer = torch.empty(b.numel, dtype=b.dtype, device=b.param_own.device)
         lo, hi = b.own
         buffer[lo:hi].copy_(b.param_own)
-        self.pending[k] = (buffer, self._start_all_gather(b, buffer))
+        self.pending[k] = (buffer, start_all_gather(b, buffer))
         self._gathered.add(buffer)
         if not self.held:
             self.peak_bytes = max(self.peak_bytes, self.alive_bytes())
@@ -286,11 +283,7 @@ class ParameterShards:
         if self.held:
             yield
             return
-        self.release_all()
-        for k in range(len(self.buckets)):
-            self._start(k)
-        for k in range(len(self.buckets)):
-            self.ensure(k)
+        self._gather_all()
         self.held = True
         try:
             for k, b in enumerate(self.buckets):
@@ -304,15 +297,20 @@ class ParameterShards:
             self.held = False
             self.release_all()
 
-    def unshard(self) -> None:
-        """Give the parameters back whole, for good (a later step on the same module takes them over)."""
+    def _gather_all(self) -> None:
+        """Every bucket gathered (all launched, then waited on), none released."""
         self.release_all()
         for k in range(len(self.buckets)):
             self._start(k)
+        for k in range(len(self.buckets)):
+            self.ensure(k)
+
+    def unshard(self) -> None:
+        """Give the parameters back whole, for good (a later step on the same module takes them over)."""
+        self._gather_all()
         for k, b in enumerate(self.buckets):
-            buffer = self.ensure(k)
-            for o, p in zip(b.offsets, b.params):
-                p.data = buffer[o : o + p.numel()].view(p.shape).clone()
+            for p, v in zip(b.params, self.views(k)):
+                p.data = v.clone()
         self.release_all()
         module = self.module() if self.module is not None else None
         if module is not None:
