@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import param_shards
+from . import param_gathers, param_shards
 from .errors import MoecompileError
 from .grad_sync import moe_blocks
 from .models import GROUPED_SIGMOID_ROUTERS
@@ -203,6 +203,7 @@ def hf_state_dict(result: Any, world: Any = None, selection_bias: bool = False) 
     """
     module = result.module
     param_shards.require_whole(module, "export_hf")
+    param_gathers.settle(module)  # the last step's all-gather may still be writing them (overlap_param_gather)
     blocks = moe_blocks(module)
     rename: dict[str, str] = {}
     for layer, info in blocks.items():

@@ -280,7 +280,7 @@ class GradBuckets:
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], expert_names: set[str], world: Any = None,
                  bucket_mb: float = 25.0, shard: bool = False, shard_grads: bool = False,
-                 first_use: dict[str, int] | None = None, shard_params: bool = False):
+                 first_use: dict[str, int] | None = None, shard_params: bool = False, overlap_gather: bool = False):
         self.world = world
         self._scratch: torch.Tensor | None = None  # gloo's reduce-scatter by exchange receives here
         dp = getattr(world, "dp_group", None) if world is not None else None
@@ -302,6 +302,12 @@ class GradBuckets:
 
             self.param_shards = ParameterShards(self)
             self.grad_shards.on_bucket_done = self.param_shards.gradients_in
+        self.param_gathers = None
+        gathered = [b for b in self.buckets if b.shards > 1 and b.param_flat is not None]
+        if overlap_gather and gathered:
+            from .param_gathers import InFlightGathers
+
+            self.param_gathers = InFlightGathers(gathered)
 
     def _bucket(self, kind: str, group: Any, named: list[tuple[str, nn.Parameter]], d: int) -> Bucket:
         params = [p for _, p in named]
@@ -407,8 +413,12 @@ class GradBuckets:
     def gather_params(self) -> None:
         """Sharded buckets: every rank's updated range of the parameters, to every rank (all-gather).
 
-        Sharded parameters (ZeRO-3) stay in their ranges: the next forward gathers them.
+        Sharded parameters (ZeRO-3) stay in their ranges: the next forward gathers them. With
+        ``overlap_param_gather`` the gathers are left running: the next forward waits for each bucket.
         """
+        if self.param_gathers is not None:
+            self.param_gathers.start()
+            return
         handles = [h for b in self.buckets if b.param_flat is not None and b.shards > 1
                    for h in start_all_gather(b, b.param_flat)]
         for h in handles:

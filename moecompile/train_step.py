@@ -15,7 +15,8 @@ One call runs::
 
 With ``parallel.shard_optimizer`` (ZeRO-1) the all-reduce becomes a reduce-scatter, the optimizer
 updates this rank's range of each bucket (its state and masters exist for that range only), and
-an all-gather of the parameters follows it (moecompile.grad_sync, moecompile.optimizer).
+an all-gather of the parameters follows it (moecompile.grad_sync, moecompile.optimizer), or, with
+``parallel.overlap_param_gather``, runs behind the next forward (moecompile.param_gathers).
 ``parallel.shard_gradients`` (ZeRO-2) reduce-scatters each bucket as backward completes it
 (moecompile.grad_shards); ``parallel.shard_parameters`` (ZeRO-3) keeps this rank's range of the
 parameters too, and the graph gathers each bucket where it is read (moecompile.param_shards):
@@ -44,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from . import host_memory, param_shards
+from . import host_memory, param_gathers, param_shards
 from .errors import MoecompileError
 from .grad_sync import GradBuckets, expert_parameters, first_reads, moe_blocks
 from .optimizer import OptimizerFactory, build_optimizer, updates_for
@@ -134,12 +135,15 @@ class TrainStep:
         self.sharded = bool(self.plan.parallel.shard_optimizer and self.world is not None
                             and getattr(self.world, "world_size", 1) > 1)
         param_shards.take_over(self.module)  # a step built before on this module gives its parameters back whole
+        param_gathers.take_over(self.module)  # ... with no all-gather still running into them
         self.buckets = GradBuckets(params.items(), self.expert_names, self.world, bucket_mb, shard=self.sharded,
                                    shard_grads=self.sharded and self.plan.parallel.shard_gradients,
                                    first_use=first_reads(self.module),
-                                   shard_params=self.sharded and self.plan.parallel.shard_parameters)
-        if self.buckets.param_shards is not None:
-            self.buckets.param_shards.instrument(self.module)
+                                   shard_params=self.sharded and self.plan.parallel.shard_parameters,
+                                   overlap_gather=self.sharded and self.plan.parallel.overlap_param_gather)
+        for instrumented in (self.buckets.param_shards, self.buckets.param_gathers):
+            if instrumented is not None:
+                instrumented.instrument(self.module)
         self.trainable = {n: p for n, p in params.items() if p.requires_grad}
         # bf16 parameters train through fp32 master copies; fp32 ones are their own masters
         masters = any(p.dtype != torch.float32 for p in self.trainable.values())
@@ -158,9 +162,13 @@ class TrainStep:
         from .cuda_graphs import make_runner
 
         mode = cuda_graph if cuda_graph is not None else self.plan.cuda_graph.mode
-        if mode != "none" and self.buckets.param_shards is not None and self.device.type == "cuda":
-            raise MoecompileError(f"cuda_graph={mode!r} replays recorded kernels, but parallel.shard_parameters gathers "
-                                  "parameters from Python hooks a replay does not run; use cuda_graph='none'")
+        if mode != "none" and self.device.type == "cuda":
+            for option, python in (("shard_parameters", self.buckets.param_shards),
+                                   ("overlap_param_gather", self.buckets.param_gathers)):
+                if python is not None:
+                    raise MoecompileError(f"cuda_graph={mode!r} replays recorded kernels, but parallel.{option} "
+                                          "waits for parameter gathers from Python a replay does not run; use "
+                                          "cuda_graph='none'")
         self.runner = make_runner(self, mode)
 
     # ------------------------------------------------------------------ one step
@@ -226,7 +234,9 @@ class TrainStep:
 
     def gathered(self) -> contextlib.AbstractContextManager:
         """The parameters whole in the module, for reads outside a step (export, evaluation); every rank enters
-        it. Only needed under ``parallel.shard_parameters``, where a rank otherwise keeps its range of them."""
+        it. Needed under ``parallel.shard_parameters``, where a rank otherwise keeps its range of them, and
+        ``overlap_param_gather``, where the last step's all-gather may still be writing them."""
+        param_gathers.settle(self.module)
         shards = self.buckets.param_shards
         return shards.gathered() if shards is not None else contextlib.nullcontext()
 
@@ -324,12 +334,14 @@ class TrainStep:
         """Write model, optimizer, RNG and step count (see moecompile.checkpoint)."""
         from .checkpoint import save
 
+        param_gathers.settle(self.module)
         save(self, path)
 
     def load(self, path: str) -> None:
         """Restore what ``save`` wrote, at this step's expert-parallel layout (any ep)."""
         from .checkpoint import load
 
+        param_gathers.settle(self.module)
         load(self, path)
 
 

@@ -46,6 +46,13 @@ class CudaGraphConfig(Section):
                 "parameters from Python hooks that a replay does not run. Set cuda_graph.mode: none, or "
                 "parallel.shard_parameters: false (ZeRO-2 captures)",
             )
+        if self.mode != "none" and getattr(parallel, "overlap_param_gather", False):
+            self.fail(
+                "mode",
+                f"{self.mode!r} replays recorded kernels, but parallel.overlap_param_gather leaves the parameters' "
+                "all-gather running past the end of the step and waits for it in the next one, from Python a replay "
+                "does not run. Set cuda_graph.mode: none, or parallel.overlap_param_gather: false",
+            )
         if self.mode == "full" and getattr(parallel, "dispatch_mode", None) != "static":
             self.fail(
                 "mode",

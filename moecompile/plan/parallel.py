@@ -79,6 +79,14 @@ class ParallelConfig(Section):
         "its gradients are in. Two all-gathers and one reduce-scatter per bucket a micro-batch; the step's "
         "all-gather after the optimizer goes. Needs shard_gradients: true and cuda_graph.mode: none.",
     )
+    overlap_param_gather: bool = doc_field(
+        False,
+        "ZeRO-1/2 (Megatron-Core's overlap_param_gather): the all-gather of the updated parameters after the "
+        "optimizer is launched and left running; the next forward waits for each bucket just before the graph "
+        "first reads it, so the exchange hides behind the forward of the layers before. Reads outside the graph "
+        "wait first (state_dict, step.save / load, step.gathered(), export). Needs shard_optimizer: true, and "
+        "cuda_graph.mode: none; shard_parameters gathers where the graph reads already.",
+    )
     timeout_s: float = doc_field(
         300.0,
         "Seconds a collective waits for its peers before failing with a DistributedError that names it "
@@ -98,6 +106,12 @@ class ParallelConfig(Section):
         if self.shard_parameters and not self.shard_gradients:
             self.fail("shard_parameters", "shards the parameters of the ranges whose gradients shard_gradients "
                       "keeps: set parallel.shard_optimizer: true and parallel.shard_gradients: true as well")
+        if self.overlap_param_gather and not self.shard_optimizer:
+            self.fail("overlap_param_gather", "overlaps the all-gather of the parameter ranges shard_optimizer has "
+                      "each rank update; without it there is none: set parallel.shard_optimizer: true as well")
+        if self.overlap_param_gather and self.shard_parameters:
+            self.fail("overlap_param_gather", "shard_parameters has no all-gather after the optimizer: it gathers "
+                      "each bucket where the graph reads it, the next one prefetched; set one of the two")
 
     def packs_routing_weights(self, rows_bytes: float, device_type: str) -> bool:
         """Whether the alltoall dispatch sends the routing weights inside the rows' exchange."""
