@@ -17,6 +17,8 @@ all of the optimizer can shard), the variants taking turns step by step in one p
   range of AdamW state, all-gather);
 - ``moecompile_zero2``: also ``parallel.shard_gradients``: each bucket reduce-scattered as backward
   completes it, a rank keeping its range of the gradients and a few buckets in flight;
+- ``moecompile_zero1_overlap`` / ``moecompile_zero2_overlap``: the same with ``parallel.overlap_param_gather``
+  (the all-gather left running; the next forward waits for each bucket before its first read);
 - ``moecompile_zero3``: also ``parallel.shard_parameters``: a rank keeps its range of the parameters,
   each bucket gathered before its first read in forward and again in backward;
 - ``moecompile_epN_zero1``: experts sharded N ways (ep = N) and the dense optimizer state too;
@@ -30,7 +32,8 @@ all of the optimizer can shard), the variants taking turns step by step in one p
 Per variant: the largest rank's parameter bytes between steps, optimizer bytes (state tensors, + fp32 masters where there are
 any) and gradient bytes held between steps (moecompile: its buckets, ranges and buffers in flight;
 the peers: their ``.grad`` tensors, DDP's own bucket copies not counted), the step time (a step ends with its slowest rank; median over every timed step of every
-round) and the global mean loss of the first and last step, which must agree across the rows
+round), the host time a ZeRO-1/2 step blocks on the parameters' all-gather (after the optimizer, or
+in the forward's waits with the overlap: the exchange it does not hide), and the global mean loss of the first and last step, which must agree across the rows
 that train the same function (all but the ep row, which only reorders the sums).
 """
 
@@ -49,8 +52,8 @@ EXPERTS = {"num_experts": 8, "top_k": 2, "aux_loss": "none"}
 
 
 def _variants(n: int) -> tuple[str, ...]:
-    return ("moecompile", "moecompile_zero1", "moecompile_zero2", "moecompile_zero3", f"moecompile_ep{n}_zero1", "hf_ddp",
-            "hf_ddp_zero", "hf_fsdp2")
+    return ("moecompile", "moecompile_zero1", "moecompile_zero1_overlap", "moecompile_zero2", "moecompile_zero2_overlap",
+            "moecompile_zero3", f"moecompile_ep{n}_zero1", "hf_ddp", "hf_ddp_zero", "hf_fsdp2")
 
 
 def _build(variant: str, args: Any, rank: int, world: int, x: torch.Tensor) -> tuple[Callable, Callable[[], int]]:
@@ -62,7 +65,8 @@ def _build(variant: str, args: Any, rank: int, world: int, x: torch.Tensor) -> t
     ep = world if variant.startswith("moecompile_ep") else 1
     plan = mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": ep, "shard_optimizer": "zero" in variant,
                                                                "shard_gradients": "zero2" in variant or
-                                                               "zero3" in variant, "shard_parameters": "zero3" in variant}})
+                                                               "zero3" in variant, "shard_parameters": "zero3" in variant,
+                                                               "overlap_param_gather": "overlap" in variant}})
     world_obj = distributed.world_from_plan(plan)
     dense, _ = build_model(args.model, batch_size=x.shape[0], seq_len=x.shape[1], seed=0)
     result = mc.convert(dense, plan, (x,), world=world_obj)
@@ -121,24 +125,50 @@ def _build(variant: str, args: Any, rank: int, world: int, x: torch.Tensor) -> t
     return step, optimizer_bytes
 
 
+_BLOCKED = [0.0]  # seconds this rank's host waited on the parameters' all-gather (ZeRO-1/2), this step
+
+
+def _time_param_gathers() -> None:
+    """Add the host time blocked on ZeRO-1/2's all-gather (after the optimizer, or in the forward's waits with
+    overlap_param_gather) to _BLOCKED: what of the exchange the step does not hide (gloo blocks the host)."""
+    from moecompile.grad_sync import GradBuckets
+    from moecompile.param_gathers import InFlightGathers
+
+    def timed(fn: Callable) -> Callable:
+        def run(*a: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a)
+            finally:
+                _BLOCKED[0] += time.perf_counter() - start
+        return run
+
+    GradBuckets.gather_params = timed(GradBuckets.gather_params)
+    InFlightGathers.wait = timed(InFlightGathers.wait)
+
+
 def _measure(rank: int, world: int, args: Any) -> dict[str, dict[str, Any]]:
     from moecompile.host_memory import keep_freed_memory
 
     keep_freed_memory()  # every variant on the same malloc, as build_train_step sets it
+    _time_param_gathers()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 1024, (args.batch, args.seq + 1), generator=g).chunk(world)[rank]
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     built = {v: _build(v, args, rank, world, x) for v in _variants(world)}
-    out = {v: {"times": [], "losses": []} for v in built}
+    out = {v: {"times": [], "losses": [], "blocked": []} for v in built}
     for _ in range(args.warmup + args.steps):
         for v, (step, _) in built.items():
             dist.barrier()
+            _BLOCKED[0] = 0.0
             start = time.perf_counter()
             out[v]["losses"].append(step(x, y))
             out[v]["times"].append(time.perf_counter() - start)
+            out[v]["blocked"].append(_BLOCKED[0])  # waits of this step's forward, on the previous step's gather
     for v, (_, nbytes) in built.items():
         out[v]["param_bytes"], out[v]["bytes"], out[v]["grad_bytes"] = nbytes()
         out[v]["times"] = out[v]["times"][args.warmup:]
+        out[v]["blocked"] = out[v]["blocked"][args.warmup:]
     return out
 
 
@@ -198,11 +228,13 @@ def main() -> None:
 
     a.tmp = tempfile.mkdtemp(prefix="moecompile-zero-bench-")
     times: dict[str, list[float]] = {}
+    blocked: dict[str, list[float]] = {}
     rows: dict[str, dict[str, Any]] = {}
     for _ in range(a.rounds):
         ranks = run_ranks(_measure, a.nproc, (a,), threads=threads_per_rank(a.nproc), timeout_s=3600)
         for v in ranks[0]:
             times.setdefault(v, []).extend(max(t) for t in zip(*(r[v]["times"] for r in ranks)))
+            blocked.setdefault(v, []).extend(max(t) for t in zip(*(r[v]["blocked"] for r in ranks)))
             rows[v] = {k: max(r[v][k] for r in ranks) for k in ("param_bytes", "bytes", "grad_bytes")}
             rows[v]["losses"] = ranks[0][v]["losses"]
     base = rows["moecompile"]["bytes"]
@@ -210,12 +242,14 @@ def main() -> None:
     print(f"{a.model} E{EXPERTS['num_experts']} top-{EXPERTS['top_k']}, fp32 AdamW, {a.nproc} gloo ranks, global batch "
           f"{a.batch} x {a.seq}, {a.bucket_mb:g} MB buckets; median of {a.rounds} x {a.steps} steps after {a.warmup} "
           "warm-up, variants in turn")
-    print(f"{'variant':<24}{'params MiB/rank':>16}{'optimizer MiB/rank':>19}{'vs replicated':>14}{'grads MiB/rank':>15}"
-          f"{'ms/step':>9}{'vs fastest HF':>14}  loss first -> last")
+    print(f"{'variant':<26}{'params MiB/rank':>16}{'optimizer MiB/rank':>19}{'vs replicated':>14}{'grads MiB/rank':>15}"
+          f"{'ms/step':>9}{'vs fastest HF':>14}{'gather wait ms':>15}  loss first -> last")
     for v, r in rows.items():
         ms = statistics.median(times[v])
-        print(f"{v:<24}{r['param_bytes'] / 2**20:>16.2f}{r['bytes'] / 2**20:>19.2f}{r['bytes'] / base:>13.3f}x"
-              f"{r['grad_bytes'] / 2**20:>15.2f}{ms * 1e3:>9.1f}{fastest_hf / ms:>13.2f}x  "
+        gathers = "zero1" in v or "zero2" in v  # ZeRO-1/2's all-gather after the optimizer (ZeRO-3 gathers in-graph)
+        wait = f"{statistics.median(blocked[v]) * 1e3:.1f}" if gathers else "-"
+        print(f"{v:<26}{r['param_bytes'] / 2**20:>16.2f}{r['bytes'] / 2**20:>19.2f}{r['bytes'] / base:>13.3f}x"
+              f"{r['grad_bytes'] / 2**20:>15.2f}{ms * 1e3:>9.1f}{fastest_hf / ms:>13.2f}x{wait:>15}  "
               f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
 
 
