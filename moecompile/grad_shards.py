@@ -19,42 +19,25 @@ rather than per element of a whole bucket, the one difference from ZeRO-1's numb
 from __future__ import annotations
 
 import collections
-import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import grad_hooks
+
 IN_FLIGHT = 2  # buckets whose reduce-scatter may still be running while backward fills the next
-_HOOKS: dict[int, tuple[weakref.ref, Any]] = {}  # id(parameter) -> (it, its hook): one step owns a parameter
-
-
-class _Arrived:
-    """A parameter's post-accumulate hook, holding its GradientShards weakly: a strong reference would make a cycle
-    (parameter -> hook -> buckets -> parameter) that only the garbage collector frees, and that can leave a
-    process group to be torn down at interpreter exit, where gloo aborts the process."""
-
-    def __init__(self, shards: "GradientShards"):
-        self.shards = weakref.ref(shards)
-
-    def __call__(self, p: nn.Parameter) -> None:
-        shards = self.shards()
-        if shards is not None:
-            shards._arrived(p)
 
 
 class GradientShards:
     """Backward's gradients, reduce-scattered bucket by bucket into each sharded bucket's own range."""
 
     def __init__(self, buckets: Any, first_use: dict[str, int], in_flight: int = IN_FLIGHT):
-        from .grad_sync import _is_gloo
+        from .grad_sync import _is_gloo, completion_order
 
         self.owner = buckets
-        # the order backward completes buckets, and every rank sends them in: a bucket is complete when its
-        # parameter that the forward used first has its gradient, and backward runs the forward in reverse
-        self.buckets = sorted((b for b in buckets.buckets if b.shards > 1),
-                              key=lambda b: -min(first_use.get(n, -1) for n in b.names))
+        self.buckets = completion_order([b for b in buckets.buckets if b.shards > 1], first_use)  # sent in it
         self.in_flight = in_flight
         self.where: dict[int, tuple[Any, int]] = {}
         self.gaps: dict[int, list[tuple[int, int]]] = {}  # per bucket: the alignment padding, summed as zeros
@@ -67,14 +50,11 @@ class GradientShards:
             b.views = []
             for i, p in enumerate(b.params):
                 self.where[id(p)] = (b, i)
-                earlier = _HOOKS.get(id(p))
-                if earlier is not None and earlier[0]() is p:  # a step built earlier on the module gives it up
-                    earlier[1].remove()
-                _HOOKS[id(p)] = (weakref.ref(p), p.register_post_accumulate_grad_hook(_Arrived(self)))
+            grad_hooks.watch(self, b.params)
         self.exchange = {id(b): _is_gloo(b.group) for b in self.buckets}
         self.pool: list[torch.Tensor] = []
         self.pending: collections.deque = collections.deque()
-        self.arrived: dict[int, set[int]] = {id(b): set() for b in self.buckets}
+        self.received: dict[int, set[int]] = {id(b): set() for b in self.buckets}
         self.sent = 0  # buckets sent this backward, in order
         self.on_bucket_done: Any = None  # called with a bucket once all its gradients arrived (ZeRO-3 releases it)
 
@@ -85,17 +65,17 @@ class GradientShards:
             for p in b.params:
                 p.grad = None
 
-    def _arrived(self, p: nn.Parameter) -> None:
+    def arrived(self, p: nn.Parameter) -> None:
         b, i = self.where[id(p)]
         if b.flat is None:
             b.flat = self._take(b.numel, b.grad.dtype, b.grad.device)
         off = b.offsets[i]
         b.flat[off : off + p.numel()].view_as(p).copy_(p.grad)
         p.grad = None  # the whole gradient lives on only in the bucket
-        self.arrived[id(b)].add(i)
-        if self.on_bucket_done is not None and len(self.arrived[id(b)]) == len(b.params):
+        self.received[id(b)].add(i)
+        if self.on_bucket_done is not None and len(self.received[id(b)]) == len(b.params):
             self.on_bucket_done(b)
-        while self.sent < len(self.buckets) and len(self.arrived[id(self.buckets[self.sent])]) == \
+        while self.sent < len(self.buckets) and len(self.received[id(self.buckets[self.sent])]) == \
                 len(self.buckets[self.sent].params):
             self._send(self.buckets[self.sent])
 
@@ -110,13 +90,13 @@ class GradientShards:
         del self.pool[1 if all(self.exchange.values()) else self.in_flight + 1 :]
         self.sent = 0
         for b in self.buckets:
-            self.arrived[id(b)].clear()
+            self.received[id(b)].clear()
 
     def _send(self, b: Any) -> None:
         if b.flat is None:
             b.flat = self._take(b.numel, b.grad.dtype, b.grad.device)
         for i, p in enumerate(b.params):  # no gradient this backward: it contributes zeros
-            if i not in self.arrived[id(b)]:
+            if i not in self.received[id(b)]:
                 b.flat[b.offsets[i] : b.offsets[i] + p.numel()].zero_()
         for lo, hi in self.gaps[id(b)]:  # a reused buffer holds anything there
             b.flat[lo:hi].zero_()

@@ -142,6 +142,12 @@ def backward_order(named: list[tuple[str, nn.Parameter]], first_use: dict[str, i
     return sorted(named[::-1], key=lambda item: -first_use.get(item[0], -1))
 
 
+def completion_order(buckets: list["Bucket"], first_use: dict[str, int]) -> list["Bucket"]:
+    """Buckets in the order backward completes them, which every rank sends them in: a bucket is complete when
+    its parameter that the forward read first has its gradient, and backward runs the forward in reverse."""
+    return sorted(buckets, key=lambda b: -min(first_use.get(n, -1) for n in b.names))
+
+
 def cut_buckets(named: list[tuple[str, nn.Parameter]], expert_names: set[str],
                 bucket_mb: float) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
     """(kind, its parameters) of each bucket: dense ones then expert ones, per dtype and device, in ``named``'s
@@ -280,7 +286,8 @@ class GradBuckets:
 
     def __init__(self, named_params: Iterable[tuple[str, nn.Parameter]], expert_names: set[str], world: Any = None,
                  bucket_mb: float = 25.0, shard: bool = False, shard_grads: bool = False,
-                 first_use: dict[str, int] | None = None, shard_params: bool = False, overlap_gather: bool = False):
+                 first_use: dict[str, int] | None = None, shard_params: bool = False, overlap_gather: bool = False,
+                 overlap_reduce: bool = False):
         self.world = world
         self._scratch: torch.Tensor | None = None  # gloo's reduce-scatter by exchange receives here
         dp = getattr(world, "dp_group", None) if world is not None else None
@@ -302,6 +309,12 @@ class GradBuckets:
 
             self.param_shards = ParameterShards(self)
             self.grad_shards.on_bucket_done = self.param_shards.gradients_in
+        self.overlapped = None
+        reduced = [b for b in self.buckets if b.grad is None and b.group is not None and _group_size(b.group) > 1]
+        if overlap_reduce and reduced:
+            from .grad_overlap import OverlappedReduce
+
+            self.overlapped = OverlappedReduce(self, completion_order(reduced, first_use or {}))
         self.param_gathers = None
         gathered = [b for b in self.buckets if b.shards > 1 and b.param_flat is not None]
         if overlap_gather and gathered:
@@ -383,32 +396,43 @@ class GradBuckets:
         if self.param_shards is not None:  # buckets whose parameters got no gradient, or prefetched in vain
             self.param_shards.release_all()
 
+    def last_backward(self) -> None:
+        """The next backward is the step's last (of its micro-batches): with overlap_grad_reduce, it launches
+        each bucket's collective as it completes it."""
+        if self.overlapped is not None:
+            self.overlapped.arm()
+
     def sync(self) -> None:
         """Sum each bucket over its group (all launched before any is waited on), then divide by dp size.
 
         A sharded bucket is reduce-scattered: only this rank's range holds the reduced gradient.
+        With overlap_grad_reduce backward has launched most of them (moecompile.grad_overlap).
         """
         if self.world is None:
             return
-        handles, exchanged = [], []
-        for b in self.buckets:
-            if b.grad is not None:
-                continue  # reduce-scattered during backward
-            if b.shards > 1 and _is_gloo(b.group):
-                exchanged.append(b)
-            elif b.shards > 1:
-                lo, hi = b.own
-                handles.append(dist.reduce_scatter_single(b.flat[lo:hi], b.flat, group=b.group, async_op=True))
-            elif b.group is not None and _group_size(b.group) > 1:
-                handles.append(dist.all_reduce(b.flat, group=b.group, async_op=True))
-        for b in exchanged:
-            lo, hi = b.own
-            self.reduce_scatter_by_exchange(b, b.flat, b.flat[lo:hi])
+        if self.overlapped is not None:
+            handles = self.overlapped.finish()
+        else:  # ZeRO-2's buckets (b.grad kept) were reduce-scattered during backward
+            handles = [h for b in self.buckets if b.grad is None for h in [self.launch(b)] if h is not None]
         for h in handles:
             h.wait()
         if self.dp_size > 1:
             for flat in self._reduced():
                 flat.div_(self.dp_size)
+
+    def launch(self, b: Bucket) -> Any:
+        """Start summing bucket ``b`` over its group; a handle to wait for, or None (nothing to do, or gloo's
+        reduce-scatter by exchange, done on return)."""
+        if b.shards > 1 and _is_gloo(b.group):
+            lo, hi = b.own
+            self.reduce_scatter_by_exchange(b, b.flat, b.flat[lo:hi])
+            return None
+        if b.shards > 1:
+            lo, hi = b.own
+            return dist.reduce_scatter_single(b.flat[lo:hi], b.flat, group=b.group, async_op=True)
+        if b.group is not None and _group_size(b.group) > 1:
+            return dist.all_reduce(b.flat, group=b.group, async_op=True)
+        return None
 
     def gather_params(self) -> None:
         """Sharded buckets: every rank's updated range of the parameters, to every rank (all-gather).

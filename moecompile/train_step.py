@@ -9,7 +9,8 @@
 One call runs::
 
     forward (bf16 autocast optional)  ->  loss_fn(output, y) + result.router_loss()
-    -> backward into flat gradient buckets  ->  bucketed all-reduce (dense: dp, experts: edp)
+    -> backward into flat gradient buckets  ->  bucketed all-reduce (dense: dp, experts: edp; each
+       bucket's launched from backward once complete: parallel.overlap_grad_reduce, moecompile.grad_overlap)
     -> optional clipping by the global norm  ->  optimizer step  (fp32 master weights if the
     model is bf16)  ->  expert-bias update from the global per-expert load  ->  metrics
 
@@ -45,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from . import host_memory, param_gathers, param_shards
+from . import grad_hooks, host_memory, param_gathers, param_shards
 from .errors import MoecompileError
 from .grad_sync import GradBuckets, expert_parameters, first_reads, moe_blocks
 from .optimizer import OptimizerFactory, build_optimizer, updates_for
@@ -136,11 +137,13 @@ class TrainStep:
                             and getattr(self.world, "world_size", 1) > 1)
         param_shards.take_over(self.module)  # a step built before on this module gives its parameters back whole
         param_gathers.take_over(self.module)  # ... with no all-gather still running into them
+        grad_hooks.release(params.values())  # and its gradient hooks go: this step places its own
         self.buckets = GradBuckets(params.items(), self.expert_names, self.world, bucket_mb, shard=self.sharded,
                                    shard_grads=self.sharded and self.plan.parallel.shard_gradients,
                                    first_use=first_reads(self.module),
                                    shard_params=self.sharded and self.plan.parallel.shard_parameters,
-                                   overlap_gather=self.sharded and self.plan.parallel.overlap_param_gather)
+                                   overlap_gather=self.sharded and self.plan.parallel.overlap_param_gather,
+                                   overlap_reduce=self.plan.parallel.overlap_grad_reduce)
         for instrumented in (self.buckets.param_shards, self.buckets.param_gathers):
             if instrumented is not None:
                 instrumented.instrument(self.module)
@@ -204,6 +207,7 @@ class TrainStep:
             local = stats if local is None else local + stats
             if i == len(parts) - 1:  # launched before the last backward, waited on after the optimizer
                 reduced, handle = self._reduce_stats(local)
+                self.buckets.last_backward()
             (loss / len(parts)).backward()
             self.buckets.after_backward()
         self.buckets.sync()

@@ -56,6 +56,14 @@ class ParallelConfig(Section):
         "null packs where a rank sends at most 2 MiB of rows on CPU (gloo collectives cost ~0.5 ms) or 16 MiB "
         "on CUDA. Rows and weights of different dtypes never pack (the weight would round).",
     )
+    overlap_grad_reduce: bool = doc_field(
+        True,
+        "Launch each gradient bucket's all-reduce (reduce-scatter under shard_optimizer) from backward as soon as "
+        "all its gradients are in, in the order backward completes buckets (the same on every rank), so it runs "
+        "while backward computes the rest, as DDP and Megatron-Core's overlap_grad_reduce do; with micro-batches, "
+        "during the last one's backward. false: every bucket after backward. shard_gradients reduce-scatters from "
+        "backward either way.",
+    )
     shard_optimizer: bool = doc_field(
         False,
         "ZeRO-1, Megatron-Core's distributed optimizer: each gradient bucket is split into equal ranges over the "

@@ -1,0 +1,56 @@
+"""parallel.overlap_grad_reduce runs for tests/test_grad_overlap.py (spawned once per session, cached).
+
+On 2 gloo ranks each setting trains STEPS steps with every bucket summed after backward and with each
+launched from backward as it completes, from the same init on the same batches: the same collectives on the
+same buffers, so the oracle is bitwise equality.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from _shard_scenario import STEPS, _on_two_ranks, _train, grouped_adamw, make_step
+from moecompile.grad_sync import _is_gloo
+
+# name: (ep, sequences a forward, more parallel fields); "nccl_forms": NCCL's reduce_scatter (gloo: an exchange)
+SETTINGS = {"dp2": (1, 2, {}), "ep2": (2, 2, {}), "dp2_micro": (1, 1, {}), "zero1": (1, 2, {"shard_optimizer": True}),
+            "nccl_forms_zero1_micro": (1, 1, {"shard_optimizer": True}), "dp2_unused": (1, 2, {})}
+
+
+def grad_overlap_worker(rank: int, world_size: int, out: str) -> dict:
+    import moecompile as mc
+    import moecompile.grad_sync as grad_sync
+
+    res: dict[str, Any] = {}
+    for name, (ep, batch, extra) in SETTINGS.items():
+        grad_sync._is_gloo = (lambda group: False) if name.startswith("nccl_forms") else _is_gloo
+        res[name] = {}
+        for overlap in (False, True):
+            result, step = make_step(world_size, ep, False, None, batch, **extra, overlap_grad_reduce=overlap)
+            if name.endswith("unused"):  # a parameter the graph never reads: its bucket is complete only at sync
+                result.module.register_parameter("unused", torch.nn.Parameter(torch.ones(5)))
+                step = mc.build_train_step(result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.05)
+            launched = []  # buckets launched from each backward, at its end
+            after_backward = step.buckets.after_backward
+
+            def record(after_backward=after_backward, step=step):
+                launched.append(step.buckets.overlapped.sent if step.buckets.overlapped else None)
+                after_backward()
+
+            step.buckets.after_backward = record
+            metrics = _train(step, rank, world_size, 0, STEPS)
+            res[name][overlap] = {
+                "metrics": metrics, "launched": launched[:step.parts], "micro_batches": step.parts,
+                "reduced": len(step.buckets.overlapped.buckets) if step.buckets.overlapped else None,
+                "params": {n: p.detach().clone() for n, p in result.module.named_parameters()},
+            }
+    grad_sync._is_gloo = _is_gloo
+    return res
+
+
+@functools.lru_cache(maxsize=None)
+def grad_overlap_two_ranks() -> list[dict]:
+    return _on_two_ranks(grad_overlap_worker)[1]

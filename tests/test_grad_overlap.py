@@ -1,0 +1,43 @@
+"""parallel.overlap_grad_reduce: each gradient bucket's collective launched from backward once it is complete.
+
+The oracle is the same step summing every bucket after backward, on the same ranks, init and batches: the same
+collectives on the same buffers, so every loss, norm and parameter is bitwise the same
+(tests/_grad_overlap_scenario.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moecompile as mc
+
+SETTINGS = ["dp2", "ep2", "dp2_micro", "zero1", "nccl_forms_zero1_micro", "dp2_unused"]
+
+
+def test_overlap_grad_reduce_is_on_by_default():
+    assert mc.Plan().parallel.overlap_grad_reduce
+    assert not mc.Plan.from_dict({"parallel": {"overlap_grad_reduce": False}}).parallel.overlap_grad_reduce
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_two_ranks_train_bitwise_the_same_reducing_from_backward(setting):
+    from _grad_overlap_scenario import grad_overlap_two_ranks
+
+    for r in grad_overlap_two_ranks():
+        after, during = r[setting][False], r[setting][True]
+        assert during["metrics"] == after["metrics"]
+        for name, p in after["params"].items():
+            assert torch.equal(during["params"][name], p), name
+        assert after["reduced"] is None and during["reduced"] > 0
+        # buckets launched by the end of each micro-batch's backward: none before the last; in the last, every
+        # bucket (or, with a parameter backward never reaches, all before its bucket)
+        *earlier, last = during["launched"]
+        assert earlier == [0] * (during["micro_batches"] - 1)
+        if setting.endswith("unused"):
+            assert 0 < last < during["reduced"]
+        else:
+            assert last == during["reduced"]
+    if setting.endswith("micro"):
+        assert grad_overlap_two_ranks()[0][setting][True]["micro_batches"] == 2
