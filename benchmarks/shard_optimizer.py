@@ -13,6 +13,8 @@ gloo ranks of batch / N sequences each, pure data parallelism (every rank holds 
 all of the optimizer can shard), the variants taking turns step by step in one process group:
 
 - ``moecompile``: ``build_train_step``, bucketed all-reduce, the optimizer replicated;
+- ``moecompile_reduce_after``: the same with ``parallel.overlap_grad_reduce: false``: every bucket all-reduced
+  after backward instead of as backward completes it (every other moecompile row overlaps);
 - ``moecompile_zero1``: the same with ``parallel.shard_optimizer`` (reduce-scatter, this rank's
   range of AdamW state, all-gather);
 - ``moecompile_zero2``: also ``parallel.shard_gradients``: each bucket reduce-scattered as backward
@@ -52,7 +54,7 @@ EXPERTS = {"num_experts": 8, "top_k": 2, "aux_loss": "none"}
 
 
 def _variants(n: int) -> tuple[str, ...]:
-    return ("moecompile", "moecompile_zero1", "moecompile_zero1_overlap", "moecompile_zero2", "moecompile_zero2_overlap",
+    return ("moecompile", "moecompile_reduce_after", "moecompile_zero1", "moecompile_zero1_overlap", "moecompile_zero2", "moecompile_zero2_overlap",
             "moecompile_zero3", f"moecompile_ep{n}_zero1", "hf_ddp", "hf_ddp_zero", "hf_fsdp2")
 
 
@@ -66,7 +68,8 @@ def _build(variant: str, args: Any, rank: int, world: int, x: torch.Tensor) -> t
     plan = mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": ep, "shard_optimizer": "zero" in variant,
                                                                "shard_gradients": "zero2" in variant or
                                                                "zero3" in variant, "shard_parameters": "zero3" in variant,
-                                                               "overlap_param_gather": "overlap" in variant}})
+                                                               "overlap_param_gather": "overlap" in variant,
+                                                               "overlap_grad_reduce": "reduce_after" not in variant}})
     world_obj = distributed.world_from_plan(plan)
     dense, _ = build_model(args.model, batch_size=x.shape[0], seq_len=x.shape[1], seed=0)
     result = mc.convert(dense, plan, (x,), world=world_obj)
