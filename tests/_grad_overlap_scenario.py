@@ -8,12 +8,10 @@ same buffers, so the oracle is bitwise equality.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import torch
 
-from _shard_scenario import STEPS, _on_two_ranks, _train, grouped_adamw, make_step
-from moecompile.grad_sync import _is_gloo
+from _shard_scenario import STEPS, _on_two_ranks, _train, grouped_adamw, make_step, off_and_on
 
 # name: (ep, sequences a forward, more parallel fields); "nccl_forms": NCCL's reduce_scatter (gloo: an exchange)
 SETTINGS = {"dp2": (1, 2, {}), "ep2": (2, 2, {}), "dp2_micro": (1, 1, {}), "zero1": (1, 2, {"shard_optimizer": True}),
@@ -21,34 +19,28 @@ SETTINGS = {"dp2": (1, 2, {}), "ep2": (2, 2, {}), "dp2_micro": (1, 1, {}), "zero
 
 
 def grad_overlap_worker(rank: int, world_size: int, out: str) -> dict:
+    return off_and_on(SETTINGS, lambda name, setting, on: _run(name, rank, world_size, *setting, on))
+
+
+def _run(name: str, rank: int, world_size: int, ep: int, batch: int, extra: dict, overlap: bool) -> dict:
     import moecompile as mc
-    import moecompile.grad_sync as grad_sync
 
-    res: dict[str, Any] = {}
-    for name, (ep, batch, extra) in SETTINGS.items():
-        grad_sync._is_gloo = (lambda group: False) if name.startswith("nccl_forms") else _is_gloo
-        res[name] = {}
-        for overlap in (False, True):
-            result, step = make_step(world_size, ep, False, None, batch, **extra, overlap_grad_reduce=overlap)
-            if name.endswith("unused"):  # a parameter the graph never reads: its bucket is complete only at sync
-                result.module.register_parameter("unused", torch.nn.Parameter(torch.ones(5)))
-                step = mc.build_train_step(result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.05)
-            launched = []  # buckets launched from each backward, at its end
-            after_backward = step.buckets.after_backward
+    result, step = make_step(world_size, ep, False, None, batch, **extra, overlap_grad_reduce=overlap)
+    if name.endswith("unused"):  # a parameter the graph never reads: its bucket is complete only at sync
+        result.module.register_parameter("unused", torch.nn.Parameter(torch.ones(5)))
+        step = mc.build_train_step(result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.05)
+    launched = []  # buckets launched by the end of each backward
+    after_backward = step.buckets.after_backward
 
-            def record(after_backward=after_backward, step=step):
-                launched.append(step.buckets.overlapped.sent if step.buckets.overlapped else None)
-                after_backward()
+    def record() -> None:
+        launched.append(step.buckets.overlapped.sent if step.buckets.overlapped else None)
+        after_backward()
 
-            step.buckets.after_backward = record
-            metrics = _train(step, rank, world_size, 0, STEPS)
-            res[name][overlap] = {
-                "metrics": metrics, "launched": launched[:step.parts], "micro_batches": step.parts,
-                "reduced": len(step.buckets.overlapped.buckets) if step.buckets.overlapped else None,
-                "params": {n: p.detach().clone() for n, p in result.module.named_parameters()},
-            }
-    grad_sync._is_gloo = _is_gloo
-    return res
+    step.buckets.after_backward = record
+    metrics = _train(step, rank, world_size, 0, STEPS)
+    return {"metrics": metrics, "launched": launched[:step.parts], "micro_batches": step.parts,
+            "reduced": len(step.buckets.overlapped.buckets) if step.buckets.overlapped else None,
+            "params": {n: p.detach().clone() for n, p in result.module.named_parameters()}}
 
 
 @functools.lru_cache(maxsize=None)

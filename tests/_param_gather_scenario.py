@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from _ep_scenario import data
-from _shard_scenario import STEPS, ZERO2, _on_two_ranks, _train, _whole_params, grouped_adamw, make_step
-from moecompile.grad_sync import _is_gloo, param_reads
+from _shard_scenario import (STEPS, ZERO2, _on_two_ranks, _train, _whole_params, grouped_adamw, make_step,
+                             off_and_on)
+from moecompile.grad_sync import param_reads
 
 OVERLAP = {"overlap_param_gather": True}
 # name: (dtype, sequences a forward, parallel fields of both runs); "nccl_forms": NCCL's all_gather_single
@@ -33,27 +34,21 @@ def _waits_before_reads(step: Any, module: Any) -> list[str]:
             if k not in waits or (name in reads and reads[name][0] < waits[k])]
 
 
+def _run(rank: int, world_size: int, dtype: str | None, batch: int, extra: dict, overlap: bool) -> dict:
+    result, step = make_step(world_size, 1, True, dtype, batch, **extra, **(OVERLAP if overlap else {}))
+    metrics = _train(step, rank, world_size, 0, STEPS)
+    gathers = step.buckets.param_gathers
+    return {"metrics": metrics, "running": gathers.running if gathers else None,
+            "buckets": [k for k, b in enumerate(step.buckets.buckets) if b.shards > 1],
+            "params": _whole_params(step, result),  # step.gathered() waits for the gathers
+            "running_after": gathers.running if gathers else None,
+            "misplaced": _waits_before_reads(step, result.module) if gathers else None}
+
+
 def overlap_worker(rank: int, world_size: int, out: str) -> dict:
     import moecompile as mc
-    import moecompile.grad_sync as grad_sync
 
-    res: dict[str, Any] = {}
-    for name, (dtype, batch, extra) in SETTINGS.items():
-        grad_sync._is_gloo = (lambda group: False) if name.startswith("nccl_forms") else _is_gloo
-        res[name] = {}
-        for overlap in (False, True):
-            result, step = make_step(world_size, 1, True, dtype, batch, **extra, **(OVERLAP if overlap else {}))
-            metrics = _train(step, rank, world_size, 0, STEPS)
-            gathers = step.buckets.param_gathers
-            res[name][overlap] = {
-                "metrics": metrics, "running": gathers.running if gathers else None,
-                "buckets": [k for k, b in enumerate(step.buckets.buckets) if b.shards > 1],
-                "params": _whole_params(step, result),  # step.gathered() waits for the gathers
-                "running_after": gathers.running if gathers else None,
-                "misplaced": _waits_before_reads(step, result.module) if gathers else None,
-            }
-    grad_sync._is_gloo = _is_gloo
-
+    res: dict[Any, Any] = off_and_on(SETTINGS, lambda name, setting, on: _run(rank, world_size, *setting, on))
     x = data().shard(STEPS, rank, world_size)[0]
     for overlap in (False, True):  # a forward outside a step (evaluation), right after one
         result, step = make_step(world_size, 1, True, **ZERO2, **(OVERLAP if overlap else {}))

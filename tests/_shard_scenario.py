@@ -10,11 +10,12 @@ then that checkpoint loaded there.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -31,6 +32,28 @@ ZERO3 = {"shard_gradients": True, "shard_parameters": True}
 SETTINGS = {"dp2": (1, None, 2, {}), "ep2": (2, None, 2, {}), "dp2_bf16": (1, "bfloat16", 2, {}),
             "nccl_forms": (1, None, 2, {}), "dp2_zero2_micro": (1, None, 1, ZERO2),
             "ep2_zero2_bf16": (2, "bfloat16", 2, ZERO2), "nccl_forms_zero2_micro": (1, None, 1, ZERO2)}
+
+
+@contextlib.contextmanager
+def collective_forms(setting: str) -> Iterator[None]:
+    """For a setting named nccl_forms*, the reduce-scatter / all-gather forms a GPU runs (gloo gets exchanges and
+    broadcasts instead)."""
+    import moecompile.grad_sync as grad_sync
+
+    grad_sync._is_gloo = (lambda group: False) if setting.startswith("nccl_forms") else _is_gloo
+    try:
+        yield
+    finally:
+        grad_sync._is_gloo = _is_gloo
+
+
+def off_and_on(settings: dict[str, Any], run: Any) -> dict[str, dict[bool, Any]]:
+    """``run(name, setting, on)`` for every setting, an option off then on, in the setting's collective forms."""
+    out = {}
+    for name, setting in settings.items():
+        with collective_forms(name):
+            out[name] = {on: run(name, setting, on) for on in (False, True)}
+    return out
 
 
 def grouped_adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
