@@ -403,6 +403,8 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
                          f"reduce-scatter per micro-batch (x{m:g}) + all-gather, not counted as hidden behind "
                          "backward" if cand.shard_gradients else
                          "reduce-scatter + all-gather" if cand.distributed_optimizer else "all-reduce")
+                      + (" (the all-gather runs behind the next forward, overlap_param_gather: counted exposed, "
+                         "unmeasured on GPUs)" if getattr(cand.plan.parallel, "overlap_param_gather", False) else "")
                       + (", overlapped with the last backward" if cand.grad_sync_overlap else "")))
     if cand.shard_parameters:  # every sharded bucket gathered before forward reads it and again in backward
         e = profile.elem_bytes

@@ -188,7 +188,10 @@ def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, spa
                     if level not in sharded:
                         sharded[level] = dataclasses.replace(
                             plan.parallel, shard_optimizer=True, **({"shard_gradients": True} if grads else {}),
-                            **({"shard_parameters": True} if params else {}))
+                            **({"shard_parameters": True} if params else {}),
+                            # ZeRO-1/2's all-gather behind the next forward: no cost, a capture can't hold it
+                            **({"overlap_param_gather": True} if not params and plan.cuda_graph.mode == "none"
+                               else {}))
                     try:
                         plan_s = plan.replace(parallel=sharded[level])
                     except PlanError as e:  # e.g. zero3 under a base plan's CUDA-graph capture
