@@ -7,6 +7,7 @@ per bucket, inserted where the forward first needs the bucket::
     w_q, w_k, ... = gather_bucket(key, k, w_q, w_k, ...)   # all-gather (bucket k+1's launched behind
     ...                                                    # it); an autograd op: grads pass to the
     release_bucket(key, k)                                 # parameters as they are; after the last read
+                                                           # (the last bucket read: kept for backward)
 
 Whatever would hold a gathered tensor from forward to backward holds a handle instead (``pack``):
 autograd's saved tensors, and a recompute region's inputs (passes/regions.py calls ``pack`` and
@@ -99,8 +100,12 @@ def gather_bucket(key: int, k: int, *params: torch.Tensor) -> tuple[torch.Tensor
     return _GatherBucket.apply(key, k, *params)
 
 
-def release_bucket(key: int, k: int) -> None:
-    """After the forward's last read of bucket k."""
+def release_bucket(key: int, k: int, into_backward: bool = False) -> None:
+    """After the forward's last read of bucket k. The bucket the forward reads last is the one backward needs
+    first: when a backward can follow (grad mode), it stays whole for it instead of being gathered again at
+    once (FSDP2 keeps its root's parameters the same way); ZeRO-2's hook or the step's end releases it."""
+    if into_backward and torch.is_grad_enabled():
+        return
     _owner(key).release(k)
 
 
@@ -137,6 +142,7 @@ class ParameterShards:
         self.finished: dict[bool, set[int]] = {False: set(), True: set()}  # done with, this forward / backward
         self.held = False  # inside gathered(): nothing is released
         self.peak_bytes = 0  # most bytes of gathered buckets alive at once, whoever holds them
+        self.gathers = 0  # all-gathers of a bucket launched so far
         self._gathered: weakref.WeakSet = weakref.WeakSet()  # every buffer gathered, while anything refers to it
         self.module: weakref.ref | None = None  # weak: _BY_MODULE's key must be free to go
         self.placeholders = {}
@@ -173,7 +179,8 @@ class ParameterShards:
             raise MoecompileError(
                 f"parallel.shard_parameters: the graph does not read parameter(s) {unread[:3]} itself (a submodule "
                 "reads them), so their gathers cannot be placed; set parallel.shard_parameters: false")
-        span = {}
+        span: dict[int, tuple[int, int]] = {}
+        releases = {}
         for k, per_param in reads.items():
             nodes = [g for gs in per_param for g in gs]
             first = min([u for g in nodes for u in g.users] or nodes, key=order.__getitem__)
@@ -190,13 +197,11 @@ class ParameterShards:
                         for u in list(g.users):
                             if u is not call:
                                 u.replace_input_with(g, item)
-            if last.op == "output":
-                with gm.graph.inserting_before(last):
-                    gm.graph.call_function(release_bucket, (self.key, k))
-            else:
-                with gm.graph.inserting_after(last):
-                    gm.graph.call_function(release_bucket, (self.key, k))
+            with gm.graph.inserting_before(last) if last.op == "output" else gm.graph.inserting_after(last):
+                releases[k] = gm.graph.call_function(release_bucket, (self.key, k))
         self.order = {False: sorted(span, key=lambda k: span[k][0]), True: sorted(span, key=lambda k: -span[k][1])}
+        if self.order[True]:
+            releases[self.order[True][0]].args = (self.key, self.order[True][0], True)
         gm.graph.lint()
         gm.recompile()
         self._guard = gm.register_state_dict_pre_hook(self._check_whole)
@@ -214,6 +219,7 @@ class ParameterShards:
         lo, hi = b.own
         buffer[lo:hi].copy_(b.param_own)
         self.pending[k] = (buffer, start_all_gather(b, buffer))
+        self.gathers += 1
         self._gathered.add(buffer)
         if not self.held:
             self.peak_bytes = max(self.peak_bytes, self.alive_bytes())

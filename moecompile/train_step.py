@@ -346,6 +346,8 @@ class TrainStep:
         from .checkpoint import load
 
         param_gathers.settle(self.module)
+        if self.buckets.param_shards is not None:  # a bucket a forward kept whole would go stale
+            self.buckets.param_shards.release_all()
         load(self, path)
 
 

@@ -209,7 +209,19 @@ def zero3_worker(rank: int, world_size: int, out: str) -> dict:
         res[name] = _compare(rank, world_size, ep, dtype, batch, extra)
     grad_sync._is_gloo = _is_gloo
     result, step = make_step(world_size, 1, True, **ZERO3)
-    _train(step, rank, world_size, 0, STEPS)
+    shards = step.buckets.param_shards
+    _train(step, rank, world_size, 0, STEPS - 1)
+    before = shards.gathers
+    _train(step, rank, world_size, STEPS - 1, 1)
+    res["gathers_a_step"], res["buckets"] = shards.gathers - before, len(shards.buckets)
+    x = data().shard(STEPS, rank, world_size)[0]
+    result.module(x)  # grad mode: the bucket read last stays whole for a backward
+    res["whole_after_forward"] = sorted(shards.whole)
+    res["first_in_backward"] = shards.order[True][0]
+    shards.release_all()
+    with torch.no_grad():  # no backward can follow: every bucket is released
+        result.module(x)
+    res["whole_after_no_grad_forward"] = sorted(shards.whole)
     try:
         result.module.state_dict()
         res["state_dict_outside"] = None

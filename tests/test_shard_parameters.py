@@ -66,6 +66,18 @@ def test_a_zero3_checkpoint_resumes_bitwise_and_a_later_step_takes_the_parameter
 
 
 @pytest.mark.distributed
+def test_the_bucket_read_last_stays_whole_into_backward_not_gathered_again():
+    from _shard_scenario import zero3_two_ranks
+
+    _, ranks = zero3_two_ranks()
+    for r in ranks:
+        # one micro-batch: each bucket gathered for forward and again for backward, but the last one read
+        assert r["gathers_a_step"] == 2 * r["buckets"] - 1
+        assert r["whole_after_forward"] == [r["first_in_backward"]]
+        assert r["whole_after_no_grad_forward"] == []
+
+
+@pytest.mark.distributed
 def test_the_module_state_dict_and_export_read_inside_gathered_only():
     from _shard_scenario import zero3_two_ranks
 

@@ -31,7 +31,8 @@ The model, per micro-batch and rank (T tokens of the micro-batch, /tp with seque
   With ``parallel.shard_parameters`` too (ZeRO-3, "zero3") every sharded bucket's parameters are
   all-gathered twice per micro-batch (before forward reads them, prefetched one bucket ahead, and
   again in backward) and the step's all-gather after the optimizer goes: m reduce-scatters in the
-  gradient dtype + 2m all-gathers in the parameter dtype, against ZeRO-2's m + 1. The gathers are
+  gradient dtype + 2m all-gathers in the parameter dtype, against ZeRO-2's m + 1 (the bucket the forward
+  reads last stays whole into backward, one all-gather fewer a micro-batch: not counted). The gathers are
   counted exposed for the reason ZeRO-2's reduce-scatters are: nothing has measured how much of
   them the prefetch hides, so ZeRO-3 never looks faster than ZeRO-2 and is chosen for memory only.
 - memory: parameters, gradients and optimizer state per rank (experts / ep) and the activations
