@@ -349,6 +349,7 @@ class TrainStep:
         if self.buckets.param_shards is not None:  # a bucket a forward kept whole would go stale
             self.buckets.param_shards.release_all()
         load(self, path)
+        param_gathers.settle(self.module)  # not hot: the loaded parameters are whole on return
 
 
 def traced_batch(gm: nn.Module) -> int | None:
