@@ -310,11 +310,15 @@ class GradBuckets:
             self.param_shards = ParameterShards(self)
             self.grad_shards.on_bucket_done = self.param_shards.gradients_in
         self.overlapped = None
-        reduced = [b for b in self.buckets if b.grad is None and b.group is not None and _group_size(b.group) > 1]
-        if overlap_reduce and reduced:
+        summed = [b for b in self.buckets if b.grad is None and b.group is not None and _group_size(b.group) > 1]
+        # gloo's reduce-scatter by exchange blocks: launched from backward it would only stall backward (measured
+        # +2 % a step), so it stays after backward; everything asynchronous goes as backward completes it
+        early = [b for b in summed if overlap_reduce and not (b.shards > 1 and _is_gloo(b.group))]
+        if early:
             from .grad_overlap import OverlappedReduce
 
-            self.overlapped = OverlappedReduce(self, completion_order(reduced, first_use or {}))
+            self.overlapped = OverlappedReduce(self, completion_order(early, first_use or {}))
+        self.summed_after = [b for b in summed if all(b is not e for e in early)]  # by sync, after backward
         self.param_gathers = None
         gathered = [b for b in self.buckets if b.shards > 1 and b.param_flat is not None]
         if overlap_gather and gathered:
@@ -406,14 +410,13 @@ class GradBuckets:
         """Sum each bucket over its group (all launched before any is waited on), then divide by dp size.
 
         A sharded bucket is reduce-scattered: only this rank's range holds the reduced gradient.
-        With overlap_grad_reduce backward has launched most of them (moecompile.grad_overlap).
+        With overlap_grad_reduce backward has launched most of them (moecompile.grad_overlap); ZeRO-2's
+        buckets were reduce-scattered during backward (moecompile.grad_shards).
         """
         if self.world is None:
             return
-        if self.overlapped is not None:
-            handles = self.overlapped.finish()
-        else:  # ZeRO-2's buckets (b.grad kept) were reduce-scattered during backward
-            handles = [h for b in self.buckets if b.grad is None for h in [self.launch(b)] if h is not None]
+        handles = self.overlapped.finish() if self.overlapped is not None else []
+        handles += [h for b in self.summed_after for h in [self.launch(b)] if h is not None]
         for h in handles:
             h.wait()
         if self.dp_size > 1:

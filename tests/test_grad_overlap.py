@@ -30,7 +30,11 @@ def test_two_ranks_train_bitwise_the_same_reducing_from_backward(setting):
         assert during["metrics"] == after["metrics"]
         for name, p in after["params"].items():
             assert torch.equal(during["params"][name], p), name
-        assert after["reduced"] is None and during["reduced"] > 0
+        assert after["reduced"] is None
+        if setting == "zero1":  # gloo's reduce-scatter is a blocking exchange: it stays after backward
+            assert during["reduced"] is None
+            continue
+        assert during["reduced"] > 0
         # buckets launched by the end of each micro-batch's backward: none before the last; in the last, every
         # bucket (or, with a parameter backward never reaches, all before its bucket)
         *earlier, last = during["launched"]

@@ -62,7 +62,7 @@ class ParallelConfig(Section):
         "all its gradients are in, in the order backward completes buckets (the same on every rank), so it runs "
         "while backward computes the rest, as DDP and Megatron-Core's overlap_grad_reduce do; with micro-batches, "
         "during the last one's backward. false: every bucket after backward. shard_gradients reduce-scatters from "
-        "backward either way.",
+        "backward either way; on gloo shard_optimizer's reduce-scatter is a blocking exchange and stays after it.",
     )
     shard_optimizer: bool = doc_field(
         False,
