@@ -72,6 +72,17 @@ def overlap_worker(rank: int, world_size: int, out: str) -> dict:
     res["new_key_waits"] = code.count(f"wait_for_bucket({later.buckets.param_gathers.key},")
     res["new_buckets"] = len(later.buckets.param_gathers.buckets)
     res["after_takeover"] = _train(later, rank, world_size, 2 * STEPS + 1, 1)
+    from moecompile.export_hf import hf_state_dict
+
+    gathers, module = later.buckets.param_gathers, again.result.module
+    res["running_before_export"] = gathers.running
+    hf_state_dict(again.result)  # export reads named_parameters, not state_dict: it waits itself
+    res["running_after_export"] = gathers.running
+    whole = module.state_dict()
+    _train(later, rank, world_size, 2 * STEPS + 2, 1)
+    res["running_before_load_state_dict"] = gathers.running
+    module.load_state_dict(whole)  # a write into parameters a gather is still writing: waits first
+    res["running_after_load_state_dict"] = gathers.running
     return res
 
 

@@ -70,10 +70,13 @@ def test_reads_outside_the_step_wait_and_a_checkpoint_resumes_bitwise():
 
 
 @pytest.mark.distributed
-def test_a_later_step_on_the_module_replaces_the_wait_nodes():
+def test_a_later_step_replaces_the_wait_nodes_and_export_and_load_state_dict_wait():
     from _param_gather_scenario import overlap_two_ranks
 
     _, ranks = overlap_two_ranks()
     for r in ranks:
         assert r["waits_after_takeover"] == r["new_key_waits"] == r["new_buckets"] > 0
         assert r["after_takeover"][0]["loss"] > 0
+        # export and load_state_dict wait for the gathers the later step left running
+        assert r["running_before_export"] and r["running_after_export"] == []
+        assert r["running_before_load_state_dict"] and r["running_after_load_state_dict"] == []
