@@ -40,6 +40,12 @@ class OverlappedReduce:
         for b in buckets:
             grad_hooks.watch(self, b.params)
 
+    def reset(self) -> None:
+        """A step begins: nothing launched, nothing armed, whatever a step that raised midway left behind."""
+        self.sent, self.armed, self.handles = 0, False, []
+        for got in self.received:
+            got.clear()
+
     def arm(self) -> None:
         """The next backward is the step's last: launch each bucket it completes."""
         self.armed = True
@@ -57,10 +63,8 @@ class OverlappedReduce:
         the handles of every collective still to wait for."""
         while self.sent < len(self.buckets):
             self._launch_next()
-        handles, self.handles = self.handles, []
-        self.sent, self.armed = 0, False
-        for got in self.received:
-            got.clear()
+        handles = self.handles
+        self.reset()
         return handles
 
     def _launch_next(self) -> None:

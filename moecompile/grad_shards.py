@@ -59,9 +59,13 @@ class GradientShards:
         self.on_bucket_done: Any = None  # called with a bucket once all its gradients arrived (ZeRO-3 releases it)
 
     def prepare(self) -> None:
-        """Before a step: no gradient kept yet."""
+        """Before a step: no gradient kept yet, nothing sent (whatever a step that raised midway left behind)."""
+        self.sent = 0
+        self.pending.clear()
         for b in self.buckets:
             b.grad.zero_()
+            b.flat = None
+            self.received[id(b)].clear()
             for p in b.params:
                 p.grad = None
 

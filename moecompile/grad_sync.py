@@ -386,6 +386,8 @@ class GradBuckets:
         """
         if self.grad_shards is not None:
             self.grad_shards.prepare()
+        if self.overlapped is not None:
+            self.overlapped.reset()
         for b in self.buckets:
             if b.grad is None:
                 b.flat.zero_()

@@ -15,7 +15,8 @@ from _shard_scenario import STEPS, _on_two_ranks, _train, grouped_adamw, make_st
 
 # name: (ep, sequences a forward, more parallel fields); "nccl_forms": NCCL's reduce_scatter (gloo: an exchange)
 SETTINGS = {"dp2": (1, 2, {}), "ep2": (2, 2, {}), "dp2_micro": (1, 1, {}), "zero1": (1, 2, {"shard_optimizer": True}),
-            "nccl_forms_zero1_micro": (1, 1, {"shard_optimizer": True}), "dp2_unused": (1, 2, {})}
+            "nccl_forms_zero1_micro": (1, 1, {"shard_optimizer": True}), "dp2_unused": (1, 2, {}),
+            "zero2_micro": (1, 1, {"shard_optimizer": True, "shard_gradients": True})}
 
 
 def grad_overlap_worker(rank: int, world_size: int, out: str) -> dict:
@@ -29,6 +30,12 @@ def _run(name: str, rank: int, world_size: int, ep: int, batch: int, extra: dict
     if name.endswith("unused"):  # a parameter the graph never reads: its bucket is complete only at sync
         result.module.register_parameter("unused", torch.nn.Parameter(torch.ones(5)))
         step = mc.build_train_step(result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.05)
+    shards = step.buckets.grad_shards
+    if overlap and shards is not None:  # ZeRO-2 mid-backward, as a step that raised there leaves it
+        shards.sent = 1
+        shards.received[id(shards.buckets[0])].add(0)
+    elif overlap and name.endswith("micro"):  # as a step that raised in its last backward leaves it: the next
+        step.buckets.overlapped.arm()          # step's first micro-batch must still not launch anything
     launched = []  # buckets launched by the end of each backward
     after_backward = step.buckets.after_backward
 
