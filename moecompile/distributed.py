@@ -237,6 +237,15 @@ def _named(e: BaseException, kind: str, what: str, group_name: str) -> Distribut
     return err
 
 
+def wait_work(handle: Any, kind: str, what: str, group: Any) -> None:
+    """``handle.wait()`` of a collective the training step launched (a gradient bucket's sum, a parameter
+    all-gather), whose failure is a DistributedError naming it, its group and this rank."""
+    try:
+        handle.wait()
+    except RuntimeError as e:
+        raise _named(e, kind, what, getattr(group, "group_name", str(group))) from e
+
+
 _lib = torch.library.Library("moecompile", "FRAGMENT")
 _lib.define("wait_tensor(Tensor(a) self, str what, str group_name) -> Tensor(a)")
 

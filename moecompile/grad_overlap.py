@@ -35,7 +35,7 @@ class OverlappedReduce:
         self.where = {id(p): (k, i) for k, b in enumerate(buckets) for i, p in enumerate(b.params)}
         self.received: list[set[int]] = [set() for _ in buckets]
         self.sent = 0
-        self.handles: list[Any] = []
+        self.handles: list[tuple[Any, Any]] = []  # (bucket, its collective) launched
         self.armed = False  # only the last micro-batch's backward launches; any other backward only accumulates
         for b in buckets:
             grad_hooks.watch(self, b.params)
@@ -58,9 +58,9 @@ class OverlappedReduce:
         while self.sent < len(self.buckets) and len(self.received[self.sent]) == len(self.buckets[self.sent].params):
             self._launch_next()
 
-    def finish(self) -> list[Any]:
+    def finish(self) -> list[tuple[Any, Any]]:
         """Launch what backward did not complete (parameters without a gradient: their zeros count), in order;
-        the handles of every collective still to wait for."""
+        (bucket, handle) of every collective still to wait for."""
         while self.sent < len(self.buckets):
             self._launch_next()
         handles = self.handles
@@ -68,7 +68,8 @@ class OverlappedReduce:
         return handles
 
     def _launch_next(self) -> None:
-        handle = self.owner.launch(self.buckets[self.sent])
+        b = self.buckets[self.sent]
+        handle = self.owner.launch(b)
         self.sent += 1
         if handle is not None:
-            self.handles.append(handle)
+            self.handles.append((b, handle))

@@ -119,7 +119,7 @@ class GradientShards:
     def _finish_one(self) -> None:
         b, handle, out, flat = self.pending.popleft()
         if handle is not None:
-            handle.wait()
+            b.wait(handle, "gradient reduce-scatter")
         b.grad.add_(out)
         self.pool.append(flat)
 

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.fx as fx
 import torch.nn as nn
 
+from .distributed import wait_work
 from .meta import MoEInfo
 
 EXPERT_KEYS = ("w_in", "w_out", "b_in", "b_out")  # MoEInfo.params keys of sharded expert tensors
@@ -219,6 +220,11 @@ class Bucket:
     param_flat: torch.Tensor | None = None  # sharded: the parameters' storage, laid out as flat
     grad: torch.Tensor | None = None  # gradients sharded (ZeRO-2): this rank's range, the only one kept
     param_own: torch.Tensor | None = None  # parameters sharded (ZeRO-3): this rank's range, the only one kept
+
+    def wait(self, handle: Any, kind: str) -> None:
+        """Wait for one of this bucket's collectives; a failure (a peer died or hung) names the bucket."""
+        wait_work(handle, kind, f"{self.kind} bucket of {len(self.names)} parameter(s) from {self.names[0]}",
+                  self.group)
 
     @property
     def numel(self) -> int:
@@ -418,9 +424,9 @@ class GradBuckets:
         if self.world is None:
             return
         handles = self.overlapped.finish() if self.overlapped is not None else []
-        handles += [h for b in self.summed_after for h in [self.launch(b)] if h is not None]
-        for h in handles:
-            h.wait()
+        handles += [(b, h) for b in self.summed_after for h in [self.launch(b)] if h is not None]
+        for b, h in handles:
+            b.wait(h, "gradient sum")
         if self.dp_size > 1:
             for flat in self._reduced():
                 flat.div_(self.dp_size)
@@ -448,10 +454,10 @@ class GradBuckets:
         if self.param_gathers is not None:
             self.param_gathers.start()
             return
-        handles = [h for b in self.buckets if b.param_flat is not None and b.shards > 1
+        handles = [(b, h) for b in self.buckets if b.param_flat is not None and b.shards > 1
                    for h in start_all_gather(b, b.param_flat)]
-        for h in handles:
-            h.wait()
+        for b, h in handles:
+            b.wait(h, "parameter all-gather")
 
     def param_bytes(self) -> int:
         """Bytes of parameters this rank keeps between steps (sharded ones: its range only)."""
@@ -469,7 +475,7 @@ class GradBuckets:
             self._scratch = torch.empty(max(x.numel for x in self.buckets if x.shards > 1 and x.dtype == flat.dtype),
                                         dtype=flat.dtype, device=flat.device)
         received = self._scratch[: flat.numel()]
-        dist.all_to_all_single(received, flat, group=b.group)
+        b.wait(dist.all_to_all_single(received, flat, group=b.group, async_op=True), "gradient reduce-scatter")
         torch.sum(received.view(b.shards, out.numel()), dim=0, out=out)
 
     def _reduced(self, kind: str | None = None) -> list[torch.Tensor]:

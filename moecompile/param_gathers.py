@@ -89,10 +89,11 @@ class InFlightGathers:
 
     def wait(self, k: int) -> None:
         for h in self.handles.pop(k, ()):
-            h.wait()
+            self.buckets[k].wait(h, "parameter all-gather")
 
     def settle(self) -> None:
-        _wait_all(self.handles)
+        for k in list(self.handles):
+            self.wait(k)
 
     @property
     def running(self) -> list[int]:

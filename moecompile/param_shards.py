@@ -233,7 +233,7 @@ class ParameterShards:
             self._start(k)
             buffer, handles = self.pending.pop(k)
             for h in handles:
-                h.wait()
+                self.buckets[k].wait(h, "parameter all-gather")
             self.whole[k] = buffer
             _LIVE[buffer.untyped_storage().data_ptr()] = (self, k)
         if not self.held and k in order:
@@ -254,7 +254,7 @@ class ParameterShards:
         self.finished[backward].add(k)
         if k in self.pending:  # a prefetch in flight: its collective must finish before the buffer can go
             for h in self.pending.pop(k)[1]:
-                h.wait()
+                self.buckets[k].wait(h, "parameter all-gather")
         buffer = self.whole.pop(k, None)
         if buffer is not None:
             _LIVE.pop(buffer.untyped_storage().data_ptr(), None)

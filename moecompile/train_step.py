@@ -47,6 +47,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
 from . import grad_hooks, host_memory, param_gathers, param_shards
+from .distributed import wait_work
 from .errors import MoecompileError
 from .grad_sync import GradBuckets, expert_parameters, first_reads, moe_blocks
 from .optimizer import OptimizerFactory, build_optimizer, updates_for
@@ -217,7 +218,7 @@ class TrainStep:
         self.optimizer.step()
         self.write_back()
         if handle is not None:
-            handle.wait()
+            wait_work(handle, "collective", "the step's metrics all-reduce", self.world.dp_group)
         self._update_biases(reduced)
         return {"stats": reduced, "grad_norm": norm}
 

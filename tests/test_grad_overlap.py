@@ -7,6 +7,8 @@ collectives on the same buffers, so every loss, norm and parameter is bitwise th
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -45,3 +47,40 @@ def test_two_ranks_train_bitwise_the_same_reducing_from_backward(setting):
             assert last == during["reduced"]
     if setting.endswith("micro"):  # whatever a step that raised midway left behind, the next one starts clean
         assert grad_overlap_two_ranks()[0][setting][True]["micro_batches"] == 2
+
+
+FAULT_TIMEOUT_S = 5.0
+
+
+def _a_peer_dies_before_the_step(rank: int, world_size: int, parallel: dict) -> dict:
+    """Rank 1 builds the step, then dies; rank 0's step must end in a DistributedError naming the collective."""
+    import os
+    import time
+
+    from _shard_scenario import make_step
+
+    _, step = make_step(world_size, 1, False, **parallel, timeout_s=FAULT_TIMEOUT_S)
+    if rank == 1:
+        os._exit(3)
+    from _ep_scenario import data
+
+    start = time.monotonic()
+    try:
+        step(data().shard(0, rank, world_size))
+    except mc.DistributedError as e:
+        return {"error": str(e), "seconds": time.monotonic() - start}
+    raise AssertionError("rank 0 finished a step its data-parallel peer never joined")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("parallel, collective", [({}, "gradient sum"),
+                                                  ({"shard_optimizer": True, "shard_gradients": True},
+                                                   "gradient reduce-scatter")])
+def test_a_dead_peer_ends_the_step_in_an_error_naming_the_bucket(parallel, collective):
+    from _dist import spawn
+
+    got = spawn(_a_peer_dies_before_the_step, 2, args=(parallel,), timeout=120, may_exit=(1,))[0]
+    assert f"{collective} '" in got["error"] and "bucket of" in got["error"], got
+    assert re.search(r"on process group 'e?dp' \(c10d name .*ranks \[0, 1\]", got["error"]), got
+    assert "failed on rank 0" in got["error"] and "A peer rank raised, died" in got["error"], got
+    assert got["seconds"] < FAULT_TIMEOUT_S + 10, got  # bounded by parallel.timeout_s, never a hang
