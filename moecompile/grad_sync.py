@@ -426,7 +426,7 @@ class GradBuckets:
         handles = self.overlapped.finish() if self.overlapped is not None else []
         handles += [(b, h) for b in self.summed_after for h in [self.launch(b)] if h is not None]
         for b, h in handles:
-            b.wait(h, "gradient sum")
+            b.wait(h, "gradient reduce-scatter" if b.shards > 1 else "gradient sum")
         if self.dp_size > 1:
             for flat in self._reduced():
                 flat.div_(self.dp_size)
