@@ -2,6 +2,7 @@
 
     python benchmarks/shard_optimizer.py [--nproc 2] [--model small-llama] [--batch 8] [--seq 128]
                                          [--steps 5] [--warmup 2] [--rounds 2] [--bucket-mb 25]
+    python benchmarks/shard_optimizer.py --variants moecompile_reduce_overlap [--steps 20]   # an A/B
     python benchmarks/shard_optimizer.py --collectives [--nproc 2]
 
 ``--collectives`` times, per bucket size, the ways a sharded bucket can be synced on gloo: an
@@ -13,8 +14,8 @@ gloo ranks of batch / N sequences each, pure data parallelism (every rank holds 
 all of the optimizer can shard), the variants taking turns step by step in one process group:
 
 - ``moecompile``: ``build_train_step``, bucketed all-reduce, the optimizer replicated;
-- ``moecompile_reduce_after``: the same with ``parallel.overlap_grad_reduce: false``: every bucket all-reduced
-  after backward instead of as backward completes it (every other moecompile row overlaps);
+- ``moecompile_reduce_overlap``: the same with ``parallel.overlap_grad_reduce: true``: each bucket all-reduced
+  from backward as soon as it is complete (the default, null, sums them after backward on gloo);
 - ``moecompile_zero1``: the same with ``parallel.shard_optimizer`` (reduce-scatter, this rank's
   range of AdamW state, all-gather);
 - ``moecompile_zero2``: also ``parallel.shard_gradients``: each bucket reduce-scattered as backward
@@ -54,7 +55,7 @@ EXPERTS = {"num_experts": 8, "top_k": 2, "aux_loss": "none"}
 
 
 def _variants(n: int) -> tuple[str, ...]:
-    return ("moecompile", "moecompile_reduce_after", "moecompile_zero1", "moecompile_zero1_overlap", "moecompile_zero2", "moecompile_zero2_overlap",
+    return ("moecompile", "moecompile_reduce_overlap", "moecompile_zero1", "moecompile_zero1_overlap", "moecompile_zero2", "moecompile_zero2_overlap",
             "moecompile_zero3", f"moecompile_ep{n}_zero1", "hf_ddp", "hf_ddp_zero", "hf_fsdp2")
 
 
@@ -68,8 +69,8 @@ def _build(variant: str, args: Any, rank: int, world: int, x: torch.Tensor) -> t
     plan = mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": ep, "shard_optimizer": "zero" in variant,
                                                                "shard_gradients": "zero2" in variant or
                                                                "zero3" in variant, "shard_parameters": "zero3" in variant,
-                                                               "overlap_param_gather": "overlap" in variant,
-                                                               "overlap_grad_reduce": "reduce_after" not in variant}})
+                                                               "overlap_param_gather": "zero" in variant and variant.endswith("_overlap"),
+                                                               "overlap_grad_reduce": True if "reduce_overlap" in variant else None}})
     world_obj = distributed.world_from_plan(plan)
     dense, _ = build_model(args.model, batch_size=x.shape[0], seq_len=x.shape[1], seed=0)
     result = mc.convert(dense, plan, (x,), world=world_obj)
@@ -158,7 +159,7 @@ def _measure(rank: int, world: int, args: Any) -> dict[str, dict[str, Any]]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 1024, (args.batch, args.seq + 1), generator=g).chunk(world)[rank]
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-    built = {v: _build(v, args, rank, world, x) for v in _variants(world)}
+    built = {v: _build(v, args, rank, world, x) for v in _variants(world) if not args.variants or v in (*args.variants, "moecompile")}
     out = {v: {"times": [], "losses": [], "blocked": []} for v in built}
     for _ in range(args.warmup + args.steps):
         for v, (step, _) in built.items():
@@ -219,6 +220,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2, help="fresh process groups")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size, moecompile's and DDP's")
+    ap.add_argument("--variants", nargs="+", choices=_variants(2) + _variants(4), default=None,
+                    help="only these rows and moecompile's, the baseline (an A/B of a few variants); default: all")
     ap.add_argument("--collectives", action="store_true", help="time the gloo forms of a sharded bucket's sync")
     a = ap.parse_args()
     if a.collectives:
@@ -241,7 +244,7 @@ def main() -> None:
             rows[v] = {k: max(r[v][k] for r in ranks) for k in ("param_bytes", "bytes", "grad_bytes")}
             rows[v]["losses"] = ranks[0][v]["losses"]
     base = rows["moecompile"]["bytes"]
-    fastest_hf = min(statistics.median(times[v]) for v in times if v.startswith("hf_"))
+    fastest_hf = min((statistics.median(times[v]) for v in times if v.startswith("hf_")), default=None)
     print(f"{a.model} E{EXPERTS['num_experts']} top-{EXPERTS['top_k']}, fp32 AdamW, {a.nproc} gloo ranks, global batch "
           f"{a.batch} x {a.seq}, {a.bucket_mb:g} MB buckets; median of {a.rounds} x {a.steps} steps after {a.warmup} "
           "warm-up, variants in turn")
@@ -252,7 +255,8 @@ def main() -> None:
         gathers = "zero1" in v or "zero2" in v  # ZeRO-1/2's all-gather after the optimizer (ZeRO-3 gathers in-graph)
         wait = f"{statistics.median(blocked[v]) * 1e3:.1f}" if gathers else "-"
         print(f"{v:<26}{r['param_bytes'] / 2**20:>16.2f}{r['bytes'] / 2**20:>19.2f}{r['bytes'] / base:>13.3f}x"
-              f"{r['grad_bytes'] / 2**20:>15.2f}{ms * 1e3:>9.1f}{fastest_hf / ms:>13.2f}x{wait:>15}  "
+              f"{r['grad_bytes'] / 2**20:>15.2f}{ms * 1e3:>9.1f}"
+              + (f"{fastest_hf / ms:>13.2f}x" if fastest_hf else f"{'-':>14}") + f"{wait:>15}  "
               f"{r['losses'][0]:.4f} -> {r['losses'][-1]:.4f}")
 
 

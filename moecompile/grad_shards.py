@@ -22,7 +22,6 @@ import collections
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from . import grad_hooks
@@ -105,11 +104,7 @@ class GradientShards:
         for lo, hi in self.gaps[id(b)]:  # a reused buffer holds anything there
             b.flat[lo:hi].zero_()
         out = torch.empty_like(b.grad)
-        if self.exchange[id(b)]:
-            self.owner.reduce_scatter_by_exchange(b, b.flat, out)
-            handle = None
-        else:
-            handle = dist.reduce_scatter_single(out, b.flat, group=b.group, async_op=True)
+        handle = self.owner.launch(b, out)
         self.pending.append((b, handle, out, b.flat if b.flat._base is None else b.flat._base))
         b.flat = None
         self.sent += 1

@@ -317,8 +317,8 @@ class GradBuckets:
             self.grad_shards.on_bucket_done = self.param_shards.gradients_in
         self.overlapped = None
         summed = [b for b in self.buckets if b.grad is None and b.group is not None and _group_size(b.group) > 1]
-        # gloo's reduce-scatter by exchange blocks: launched from backward it would only stall backward (measured
-        # +2 % a step), so it stays after backward; everything asynchronous goes as backward completes it
+        # gloo's reduce-scatter by exchange blocks: launched from backward it would only stall backward (+2 % a
+        # step in an early A/B), so it stays after backward; everything asynchronous goes as backward completes it
         early = [b for b in summed if overlap_reduce and not (b.shards > 1 and _is_gloo(b.group))]
         if early:
             from .grad_overlap import OverlappedReduce
@@ -431,16 +431,17 @@ class GradBuckets:
             for flat in self._reduced():
                 flat.div_(self.dp_size)
 
-    def launch(self, b: Bucket) -> Any:
-        """Start summing bucket ``b`` over its group; a handle to wait for, or None (nothing to do, or gloo's
-        reduce-scatter by exchange, done on return)."""
-        if b.shards > 1 and _is_gloo(b.group):
-            lo, hi = b.own
-            self.reduce_scatter_by_exchange(b, b.flat, b.flat[lo:hi])
-            return None
+    def launch(self, b: Bucket, out: torch.Tensor | None = None) -> Any:
+        """Start summing bucket ``b`` over its group (sharded: reduce-scattered into ``out``, by default this
+        rank's range of ``b.flat``); a handle to wait for, or None (nothing to do, or gloo's reduce-scatter by
+        exchange, done on return). The one place a bucket's collective starts, from sync or from backward."""
         if b.shards > 1:
             lo, hi = b.own
-            return dist.reduce_scatter_single(b.flat[lo:hi], b.flat, group=b.group, async_op=True)
+            out = b.flat[lo:hi] if out is None else out
+            if _is_gloo(b.group):
+                self.reduce_scatter_by_exchange(b, b.flat, out)
+                return None
+            return dist.reduce_scatter_single(out, b.flat, group=b.group, async_op=True)
         if b.group is not None and _group_size(b.group) > 1:
             return dist.all_reduce(b.flat, group=b.group, async_op=True)
         return None

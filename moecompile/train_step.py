@@ -144,7 +144,7 @@ class TrainStep:
                                    first_use=first_reads(self.module),
                                    shard_params=self.sharded and self.plan.parallel.shard_parameters,
                                    overlap_gather=self.sharded and self.plan.parallel.overlap_param_gather,
-                                   overlap_reduce=self.plan.parallel.overlap_grad_reduce)
+                                   overlap_reduce=self._overlap_grad_reduce())
         for instrumented in (self.buckets.param_shards, self.buckets.param_gathers):
             if instrumented is not None:
                 instrumented.instrument(self.module)
@@ -174,6 +174,14 @@ class TrainStep:
                                           "waits for parameter gathers from Python a replay does not run; use "
                                           "cuda_graph='none'")
         self.runner = make_runner(self, mode)
+
+    def _overlap_grad_reduce(self) -> bool:
+        """The plan's ``parallel.overlap_grad_reduce``; null: on unless the data-parallel group is gloo's."""
+        on = self.plan.parallel.overlap_grad_reduce
+        if on is None:
+            dp = getattr(self.world, "dp_group", None)
+            on = dp is not None and dist.get_backend(dp) != "gloo"
+        return on
 
     # ------------------------------------------------------------------ one step
 

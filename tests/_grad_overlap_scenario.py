@@ -20,13 +20,16 @@ SETTINGS = {"dp2": (1, 2, {}), "ep2": (2, 2, {}), "dp2_micro": (1, 1, {}), "zero
 
 
 def grad_overlap_worker(rank: int, world_size: int, out: str) -> dict:
-    return off_and_on(SETTINGS, lambda name, setting, on: _run(name, rank, world_size, *setting, on))
+    res: dict = off_and_on(SETTINGS, lambda name, setting, on: _run(name, rank, world_size, *setting, on))
+    _, step = make_step(world_size, 1, False)  # the plan's default (null) on gloo: summed after backward
+    res["default_overlaps"] = step.buckets.overlapped is not None
+    return res
 
 
 def _run(name: str, rank: int, world_size: int, ep: int, batch: int, extra: dict, overlap: bool) -> dict:
     import moecompile as mc
 
-    result, step = make_step(world_size, ep, False, None, batch, **extra, overlap_grad_reduce=overlap)
+    result, step = make_step(world_size, ep, False, None, batch, **extra, overlap_grad_reduce=overlap)  # explicit
     if name.endswith("unused"):  # a parameter the graph never reads: its bucket is complete only at sync
         result.module.register_parameter("unused", torch.nn.Parameter(torch.ones(5)))
         step = mc.build_train_step(result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.05)

@@ -17,9 +17,16 @@ import moecompile as mc
 SETTINGS = ["dp2", "ep2", "dp2_micro", "zero1", "nccl_forms_zero1_micro", "dp2_unused", "zero2_micro"]
 
 
-def test_overlap_grad_reduce_is_on_by_default():
-    assert mc.Plan().parallel.overlap_grad_reduce
+def test_overlap_grad_reduce_is_the_backends_choice_by_default():
+    assert mc.Plan().parallel.overlap_grad_reduce is None  # on with NCCL, off with gloo (see the field's doc)
     assert not mc.Plan.from_dict({"parallel": {"overlap_grad_reduce": False}}).parallel.overlap_grad_reduce
+
+
+@pytest.mark.distributed
+def test_on_gloo_the_default_sums_after_backward():
+    from _grad_overlap_scenario import grad_overlap_two_ranks
+
+    assert not any(r["default_overlaps"] for r in grad_overlap_two_ranks())
 
 
 @pytest.mark.distributed
