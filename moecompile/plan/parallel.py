@@ -62,7 +62,7 @@ class ParallelConfig(Section):
         "all its gradients are in, in the order backward completes buckets (the same on every rank), so it runs "
         "while backward computes the rest, as DDP and Megatron-Core's overlap_grad_reduce do; with micro-batches, "
         "during the last one's backward. false: every bucket after backward. null: true on NCCL, false on gloo, "
-        "whose all-reduce needs the CPU backward runs on: -3.9 to +3.5 % a step over 5 runs on 2 cores, noise. "
+        "whose all-reduce needs the CPU backward runs on: -3.9 to +3.5 % a step over 6 runs on 2 cores, noise. "
         "shard_gradients reduce-scatters from backward either way; on gloo shard_optimizer's reduce-scatter is a "
         "blocking exchange and stays after it.",
     )
