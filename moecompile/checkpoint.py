@@ -42,7 +42,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from .checkpoint_shards import chunk_crcs, combine, quiet_sharded_tensor, sharded
 from .errors import MoecompileError
-from .grad_sync import Shard, expert_parameters
+from .bucket_layout import expert_parameters
+from .grad_sync import Shard
 
 log = logging.getLogger(__name__)
 FORMAT = "moecompile-checkpoint-1"

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from . import param_gathers, param_shards
 from .errors import MoecompileError
-from .grad_sync import moe_blocks
+from .bucket_layout import moe_blocks
 from .models import GROUPED_SIGMOID_ROUTERS
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,7 @@ import torch
 import torch.nn as nn
 
 from . import grad_hooks
-
-IN_FLIGHT = 2  # buckets whose reduce-scatter may still be running while backward fills the next
+from .bucket_layout import IN_FLIGHT
 
 
 class GradientShards:

@@ -38,7 +38,7 @@ from torch._subclasses import FakeTensorMode
 
 from .costs import human, node_flops
 from .errors import MoecompileError
-from .grad_sync import expert_parameters, param_reads
+from .bucket_layout import expert_parameters, param_reads
 from .graph import module_path
 from .memory_shards import optimizer_ranks, ranged_bytes, sharded_state
 from .meta import Role, moe

@@ -19,8 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .errors import MoecompileError
-from .grad_shards import IN_FLIGHT
-from .grad_sync import backward_order, bucket_offsets, cut_buckets
+from .bucket_layout import IN_FLIGHT, backward_order, bucket_offsets, cut_buckets
 
 # Whole sharded parameter buckets the planner prices as gathered at once under ZeRO-3, where it has no graph: a
 # layer's two expert weight tensors read together (each a bucket of its own at scale) and the next bucket,
@@ -70,8 +69,8 @@ class BucketShape:
 
 def bucket_layout(trainable: dict[str, torch.nn.Parameter], experts: set[str], dp: int, edp: int, bucket_mb: float,
                   first_use: dict[str, int] | None = None) -> list[BucketShape]:
-    """The buckets of a sharded step, as GradBuckets lays them out (grad_sync.cut_buckets in backward_order of the
-    graph's ``first_use``; grad_sync.bucket_offsets): dense ones split over ``dp`` ranks, experts over ``edp``."""
+    """The buckets of a sharded step, as GradBuckets lays them out (bucket_layout.cut_buckets in backward_order of the
+    graph's ``first_use``; bucket_layout.bucket_offsets): dense ones split over ``dp`` ranks, experts over ``edp``."""
     named = backward_order(list(trainable.items()), first_use or {})
     out = []
     for kind, chunk in cut_buckets(named, experts, bucket_mb):
@@ -84,7 +83,7 @@ def bucket_layout(trainable: dict[str, torch.nn.Parameter], experts: set[str], d
 def gathered_peak(buckets: list[BucketShape], reads: dict[str, tuple[int, int]]) -> int:
     """Most bytes of whole parameter buckets ZeRO-3 holds at once (param_shards.py): a bucket is gathered before
     the graph's first read of it, with the next one not yet done prefetched, and released after its last read;
-    backward does the same in reverse. ``reads``: each parameter's first and last read (grad_sync.param_reads)."""
+    backward does the same in reverse. ``reads``: each parameter's first and last read (bucket_layout.param_reads)."""
     spans = []
     for b in buckets:
         at = [reads[n] for n in b.names if n in reads]

@@ -27,7 +27,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .grad_sync import param_reads, start_all_gather
+from .bucket_layout import param_reads
+from .grad_sync import start_all_gather
 
 _OWNERS: "weakref.WeakValueDictionary[int, InFlightGathers]" = weakref.WeakValueDictionary()
 _BY_MODULE: "weakref.WeakKeyDictionary[nn.Module, InFlightGathers]" = weakref.WeakKeyDictionary()

@@ -9,12 +9,12 @@ per bucket, inserted where the forward first needs the bucket::
     release_bucket(key, k)                                 # parameters as they are; after the last read
                                                            # (the last bucket read: kept for backward)
 
-Whatever would hold a gathered tensor from forward to backward holds a handle instead (``pack``):
-autograd's saved tensors, and a recompute region's inputs (passes/regions.py calls ``pack`` and
-``unpack``). Backward's first ``unpack`` of bucket k gathers it again (the next one prefetched),
-and it is released once all its gradients are in (ZeRO-2's hooks call ``gradients_in``). So a
+Whatever would hold a gathered tensor from forward to backward holds a handle instead (``_handle``,
+registered with moecompile.tensor_handles): autograd's saved tensors, and a recompute region's
+inputs (passes/regions.py). Backward's first read of a bucket k handle gathers it again (the next
+one prefetched), and it is released once all its gradients are in (ZeRO-2's hooks call ``gradients_in``). So a
 rank holds 1/d of the parameters plus the buckets being read and the next one (a bucket is read
-from the first read of its parameters to the last, views of them included: grad_sync.readers),
+from the first read of its parameters to the last, views of them included: bucket_layout.readers),
 and every collective is issued in graph or autograd order, the same on every rank.
 
 A parameter's own ``.data`` is a NaN expanded to its shape (no memory; autograd still sees its
@@ -35,8 +35,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from . import tensor_handles
 from .errors import MoecompileError
-from .grad_sync import readers, start_all_gather
+from .bucket_layout import read_through, readers
+from .grad_sync import start_all_gather
 
 _OWNERS: "weakref.WeakValueDictionary[int, ParameterShards]" = weakref.WeakValueDictionary()
 _BY_MODULE: "weakref.WeakKeyDictionary[nn.Module, ParameterShards]" = weakref.WeakKeyDictionary()
@@ -45,7 +47,7 @@ _LIVE: dict[int, tuple["ParameterShards", int]] = {}  # storage pointer of a who
 
 
 @dataclasses.dataclass(frozen=True)
-class _Saved:
+class _Saved(tensor_handles.Handle):
     """A gathered tensor, as (bucket, where in it): what a holder keeps instead of the tensor."""
 
     owner: int
@@ -54,25 +56,24 @@ class _Saved:
     size: tuple[int, ...]
     stride: tuple[int, ...]
 
+    def tensor(self) -> torch.Tensor:
+        """The tensor, its bucket gathered again if it was released."""
+        buffer = _owner(self.owner).ensure(self.k, backward=True)
+        return buffer.as_strided(self.size, self.stride, self.offset)
 
-def pack(t: Any) -> Any:
-    """A handle for a tensor in a whole bucket (its memory can go); anything else as it is."""
-    if not _LIVE or not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_meta:
-        return t
+
+def _handle(t: torch.Tensor) -> _Saved | None:
+    """A handle for a tensor in a whole bucket (its memory can go); None for anything else."""
+    if not _LIVE or t.layout != torch.strided or t.is_meta:
+        return None
     hit = _LIVE.get(t.untyped_storage().data_ptr())
     if hit is None or t.dtype != hit[0].buckets[hit[1]].dtype:
-        return t
+        return None
     owner, k = hit
     return _Saved(owner.key, k, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
 
 
-def unpack(x: Any) -> Any:
-    """The tensor behind ``pack``'s handle: its bucket gathered again if it was released."""
-    if not isinstance(x, _Saved):
-        return x
-    owner = _owner(x.owner)
-    buffer = owner.ensure(x.k, backward=True)
-    return buffer.as_strided(x.size, x.stride, x.offset)
+tensor_handles.register_packer(_handle)
 
 
 def _owner(key: int) -> "ParameterShards":
@@ -111,6 +112,7 @@ def release_bucket(key: int, k: int, into_backward: bool = False) -> None:
 
 torch.fx.node.has_side_effect(gather_bucket)
 torch.fx.node.has_side_effect(release_bucket)
+read_through(gather_bucket)
 
 
 def take_over(module: nn.Module) -> None:
@@ -280,8 +282,8 @@ class ParameterShards:
         return sum(b.param_own.numel() * b.param_own.element_size() for b in self.buckets)
 
     def saving(self) -> contextlib.AbstractContextManager:
-        """Autograd's saved tensors as handles while a forward runs (see ``pack``)."""
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        """Autograd's saved tensors as handles while a forward runs (see ``_handle``)."""
+        return torch.autograd.graph.saved_tensors_hooks(tensor_handles.pack, tensor_handles.unpack)
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:

@@ -49,7 +49,8 @@ import torch.utils._pytree as pytree
 from . import grad_hooks, host_memory, param_gathers, param_shards
 from .distributed import wait_work
 from .errors import MoecompileError
-from .grad_sync import GradBuckets, expert_parameters, first_reads, moe_blocks
+from .bucket_layout import expert_parameters, first_reads, moe_blocks
+from .grad_sync import GradBuckets
 from .optimizer import OptimizerFactory, build_optimizer, updates_for
 
 log = logging.getLogger(__name__)

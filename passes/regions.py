@@ -33,7 +33,7 @@ import torch.nn as nn
 from torch.fx.passes.utils.fuser_utils import fuse_as_graphmodule
 from torch.utils.checkpoint import checkpoint
 
-from moecompile import param_shards
+from moecompile import tensor_handles
 from moecompile.meta import copy_moe
 
 
@@ -53,21 +53,21 @@ class _Boundary:
     """Saved-tensor hooks that keep a handle instead of R's outputs, and recompute R to unpack one."""
 
     def __init__(self, fn: Callable, args: list[Any], rng: Any, outs: tuple):
-        self.fn, self.args, self.rng = fn, [param_shards.pack(a) for a in args], rng
+        self.fn, self.args, self.rng = fn, [tensor_handles.pack(a) for a in args], rng
         self.keys = {_storage(o): i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)}
         self.values: tuple | None = None
 
     def pack(self, t: torch.Tensor) -> Any:
         i = self.keys.get(_storage(t))
-        return param_shards.pack(t) if i is None else (i, tuple(t.size()), tuple(t.stride()), t.storage_offset())
+        return tensor_handles.pack(t) if i is None else (i, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, tuple):
-            return param_shards.unpack(packed)
+            return tensor_handles.unpack(packed)
         i, size, stride, offset = packed
         if self.values is None:
             with torch.no_grad(), _replay(self.rng):
-                self.values = self.fn(*[param_shards.unpack(a) for a in self.args])
+                self.values = self.fn(*[tensor_handles.unpack(a) for a in self.args])
         return self.values[i].as_strided(size, stride, offset)
 
 
@@ -130,8 +130,9 @@ class RecomputeRegion(nn.Module):
 
 
 def _checkpointed(gm: fx.GraphModule, args: list[Any]) -> tuple:
-    """``checkpoint(gm, *args)``, holding gathered parameters (ZeRO-3) as handles until the recompute."""
-    held = [param_shards.pack(a) for a in args]
+    """``checkpoint(gm, *args)``, holding tensors a runtime frees (ZeRO-3's gathered parameters) as handles until
+    the recompute."""
+    held = [tensor_handles.pack(a) for a in args]
     kept = [i for i, (h, a) in enumerate(zip(held, args)) if h is a]
     if len(kept) == len(args):
         return checkpoint(gm, *args, use_reentrant=False)
@@ -141,7 +142,7 @@ def _checkpointed(gm: fx.GraphModule, args: list[Any]) -> tuple:
     def run(*rest: Any) -> tuple:
         if first:
             return gm(*first.pop())
-        full = [param_shards.unpack(h).requires_grad_(g) if not isinstance(h, torch.Tensor) else h
+        full = [tensor_handles.unpack(h).requires_grad_(g) if not isinstance(h, torch.Tensor) else h
                 for h, g in zip(held, grads)]  # recomputing must save what the forward saved
         for i, t in zip(kept, rest):
             full[i] = t
@@ -169,7 +170,7 @@ class OffloadRegion(nn.Module):
         packed: dict[tuple, Any] = {}  # one host copy per saved view, however many ops save it
 
         def pack(t: torch.Tensor) -> Any:
-            held = param_shards.pack(t)
+            held = tensor_handles.pack(t)
             if held is not t or t.numel() * t.element_size() < self.min_bytes or _is_parameter(t):
                 return held
             key = (_storage(t), t.storage_offset(), tuple(t.size()), tuple(t.stride()))
@@ -204,7 +205,7 @@ def _to_host(t: torch.Tensor) -> Any:
 
 def _from_host(packed: Any) -> torch.Tensor:
     if not isinstance(packed, tuple):
-        return param_shards.unpack(packed)
+        return tensor_handles.unpack(packed)
     _tag, device, host, done = packed
     if done is None:
         return host

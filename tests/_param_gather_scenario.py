@@ -15,7 +15,7 @@ import torch
 from _ep_scenario import data
 from _shard_scenario import (STEPS, ZERO2, _on_two_ranks, _train, _whole_params, grouped_adamw, make_step,
                              off_and_on)
-from moecompile.grad_sync import param_reads
+from moecompile.bucket_layout import param_reads
 
 OVERLAP = {"overlap_param_gather": True}
 # name: (dtype, sequences a forward, parallel fields of both runs); "nccl_forms": NCCL's all_gather_single

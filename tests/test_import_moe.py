@@ -152,7 +152,7 @@ def test_listed_dense_layers_are_upcycled_beside_the_adopted_ones():
     # upcycling is exact with renormalised weights only, so this Qwen3-MoE renormalises
     model, ids, result = converted("tiny-qwen3-moe", {"norm_topk_prob": True}, layers=["model.layers.0.mlp"])
     assert result.record("upcycle").data["layers"] == ["model.layers.0.mlp"]
-    assert set(mc.grad_sync.moe_blocks(result.module)) == {"model.layers.0.mlp", "model.layers.1.mlp"}
+    assert set(mc.bucket_layout.moe_blocks(result.module)) == {"model.layers.0.mlp", "model.layers.1.mlp"}
     torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
 
 
@@ -260,7 +260,7 @@ def test_trained_adopted_model_exports_back_to_its_architecture(tmp_path, name, 
 
 def test_a_deepseek_v3_with_an_upcycled_dense_layer_does_not_export_as_one(tmp_path):
     model, ids, result = converted("tiny-deepseek-v3", layers=["model.layers.0.mlp"])
-    assert set(mc.grad_sync.moe_blocks(result.module)) == {"model.layers.0.mlp", "model.layers.1.mlp"}
+    assert set(mc.bucket_layout.moe_blocks(result.module)) == {"model.layers.0.mlp", "model.layers.1.mlp"}
     with pytest.raises(ExportError, match=r"MoE layers are \[0, 1\].*first_k_dense_replace \(1\)"):
         mc.export_hf(result, tmp_path, arch="deepseek_v3")
 
@@ -328,7 +328,7 @@ def test_a_meta_device_model_is_adopted_unchecked():
 def test_adopt_false_leaves_the_models_blocks_and_upcycles_its_dense_ffns():
     model, ids, result = converted("tiny-qwen3-moe", {"norm_topk_prob": True}, adopt=False)
     assert result.record("import_moe").decisions == ["left 1 MoE block(s) of the model as they are (experts.adopt: false)"]
-    assert set(mc.grad_sync.moe_blocks(result.module)) == {"model.layers.0.mlp"}  # upcycled; layer 1 is HF's
+    assert set(mc.bucket_layout.moe_blocks(result.module)) == {"model.layers.0.mlp"}  # upcycled; layer 1 is HF's
     assert "model.layers.1.mlp.experts.gate_up_proj" in dict(result.module.named_parameters())
     torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
 

@@ -49,7 +49,7 @@ import dataclasses
 from typing import Any
 
 from ..costs import human
-from ..grad_shards import IN_FLIGHT
+from ..bucket_layout import IN_FLIGHT
 from ..memory_shards import IN_FLIGHT_PARAM_BUCKETS
 from .cluster import GiB, Cluster, Span
 from .profile import LayerProfile, ModelProfile, NodeCost
