@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 import moecompile as mc
 from moecompile.kernels.fp8_linear import _quantize
-from moecompile.memory import example_inputs, profile_activations
+from moecompile.memory import profile_activations
+from moecompile.memory_estimate import example_inputs
 from moecompile.models import build_model
 
 EXPERTS = {"num_experts": 8, "top_k": 2, "shared_experts": 1, "layers": [r"model\.layers\.[1-9]\d*\.mlp"]}

@@ -16,9 +16,10 @@ from .plan import Plan
 from .frontend import trace
 from . import distributed  # World, init, world_from_plan, expert_shards, reduce_gradients
 from .distributed import ExpertShard, World
-from .memory import MemoryEstimate, estimate_memory, measure_memory
+from .memory import measure_memory
 
 # driver: built on the passes
+from .memory_estimate import MemoryEstimate, estimate_memory
 from .convert import ConversionResult, convert
 from .diff import diff
 from . import visualize  # the package is callable: mc.visualize(result, "graph.html")

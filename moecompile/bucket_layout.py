@@ -23,7 +23,6 @@ from .meta import MoEInfo
 
 EXPERT_KEYS = ("w_in", "w_out", "b_in", "b_out")  # MoEInfo.params keys of sharded expert tensors
 ALIGN_BYTES = 256  # a parameter's offset in a sharded bucket (CUDA's allocator aligns to 512)
-IN_FLIGHT = 2  # ZeRO-2: buckets whose reduce-scatter may still be running while backward fills the next
 _READ_THROUGH: set[Callable] = set()  # graph targets whose i-th output is argument 2 + i, read (ZeRO-3's gather)
 
 

@@ -10,7 +10,9 @@ buckets. Here backward's gradients pass through instead::
                   the buffer goes back to the pool once the collective is done
     end of backward: buckets whose parameters got no gradient are sent as they are (zeros)
 
-so a rank holds 1/d of the gradients plus at most ``in_flight`` + 1 buckets in flight, where
+so a rank holds 1/d of the gradients plus the buckets in flight (the ones backward fills side
+by side, up to ``in_flight`` being reduce-scattered with the ranges they receive, and the pool's:
+``peak_bytes``, which moecompile.memory_shards.in_flight_peak reproduces on meta tensors), where
 ZeRO-1 holds all of them. The optimizer, its state and the all-gather of the parameters are
 ZeRO-1's. Reduce-scattering per micro-batch rounds the sum over micro-batches per rank range
 rather than per element of a whole bucket, the one difference from ZeRO-1's numbers.
@@ -25,13 +27,16 @@ import torch
 import torch.nn as nn
 
 from . import grad_hooks
-from .bucket_layout import IN_FLIGHT
+
+IN_FLIGHT = 2  # buckets whose reduce-scatter may still be running while backward fills the next
 
 
 class GradientShards:
     """Backward's gradients, reduce-scattered bucket by bucket into each sharded bucket's own range."""
 
-    def __init__(self, buckets: Any, first_use: dict[str, int], in_flight: int = IN_FLIGHT):
+    def __init__(self, buckets: Any, first_use: dict[str, int], in_flight: int = IN_FLIGHT,
+                 exchange: bool | None = None):
+        """``exchange``: every collective is gloo's blocking exchange (None: ask each bucket's group)."""
         from .grad_sync import _is_gloo, completion_order
 
         self.owner = buckets
@@ -49,12 +54,13 @@ class GradientShards:
             for i, p in enumerate(b.params):
                 self.where[id(p)] = (b, i)
             grad_hooks.watch(self, b.params)
-        self.exchange = {id(b): _is_gloo(b.group) for b in self.buckets}
+        self.exchange = {id(b): _is_gloo(b.group) if exchange is None else exchange for b in self.buckets}
         self.pool: list[torch.Tensor] = []
         self.pending: collections.deque = collections.deque()
         self.received: dict[int, set[int]] = {id(b): set() for b in self.buckets}
         self.sent = 0  # buckets sent this backward, in order
         self.on_bucket_done: Any = None  # called with a bucket once all its gradients arrived (ZeRO-3 releases it)
+        self.peak_bytes = 0  # most bytes of whole buckets alive at once: pooled, filling, or in a collective
 
     def prepare(self) -> None:
         """Before a step: no gradient kept yet, nothing sent (whatever a step that raised midway left behind)."""
@@ -103,6 +109,7 @@ class GradientShards:
         for lo, hi in self.gaps[id(b)]:  # a reused buffer holds anything there
             b.flat[lo:hi].zero_()
         out = torch.empty_like(b.grad)
+        self._note_peak(out)
         handle = self.owner.launch(b, out)
         self.pending.append((b, handle, out, b.flat if b.flat._base is None else b.flat._base))
         b.flat = None
@@ -124,4 +131,17 @@ class GradientShards:
                 return self.pool.pop(k)[:numel]
         if self.pool:  # none fits: trade the smallest for a new one, so the pool stays bounded
             del self.pool[min(range(len(self.pool)), key=lambda k: self.pool[k].numel())]  # by place: == is elementwise
-        return torch.empty(numel, dtype=dtype, device=device)
+        buffer = torch.empty(numel, dtype=dtype, device=device)
+        self._note_peak(buffer)
+        return buffer
+
+    def in_flight_bytes(self, new: torch.Tensor | None = None) -> int:
+        """Bytes of whole bucket buffers alive now (and ``new``, just allocated): the pool's, those backward is
+        filling, and those of collectives in flight with their received ranges."""
+        held = [*self.pool, *(b.flat for b in self.buckets if b.flat is not None),
+                *(t for entry in self.pending for t in entry[2:])] + ([] if new is None else [new])
+        bases = {id(t._base if t._base is not None else t): t._base if t._base is not None else t for t in held}
+        return sum(t.numel() * t.element_size() for t in bases.values())
+
+    def _note_peak(self, new: torch.Tensor) -> None:
+        self.peak_bytes = max(self.peak_bytes, self.in_flight_bytes(new))

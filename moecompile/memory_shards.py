@@ -1,11 +1,11 @@
-"""What a rank keeps of the trainable state under ZeRO sharding, for ``moecompile.memory.estimate_memory``.
+"""What a rank keeps of the trainable state under ZeRO sharding, for ``moecompile.memory_estimate.estimate_memory``.
 
 ``parallel.shard_optimizer`` (ZeRO-1) gives each rank a range of every gradient bucket: dense buckets
 split over the dp ranks, expert buckets over the edp = dp / ep ranks holding the same experts; the
 rank keeps optimizer states, fp32 masters and their grads for that range only.
-``parallel.shard_gradients`` (ZeRO-2) keeps the model-dtype gradients of the range too, plus a pool
-of whole bucket buffers in flight (moecompile/grad_shards.py), whose size is the buckets' layout
-(moecompile/grad_sync.py), computed here without allocating them.
+``parallel.shard_gradients`` (ZeRO-2) keeps the model-dtype gradients of the range too, plus the
+whole bucket buffers in flight: the runtime's own pool (moecompile/grad_shards.py) run here on meta
+tensors over the buckets' layout (moecompile/bucket_layout.py), nothing allocated.
 ``parallel.shard_parameters`` (ZeRO-3) keeps the parameters of the range only too, plus the whole
 sharded buckets gathered while forward or backward reads them (moecompile/param_shards.py).
 """
@@ -17,9 +17,13 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
+import torch.nn as nn
 
+from . import grad_hooks
+from .bucket_layout import backward_order, bucket_offsets, cut_buckets
 from .errors import MoecompileError
-from .bucket_layout import IN_FLIGHT, backward_order, bucket_offsets, cut_buckets
+from .grad_shards import GradientShards
+from .grad_sync import Bucket
 
 # Whole sharded parameter buckets the planner prices as gathered at once under ZeRO-3, where it has no graph: a
 # layer's two expert weight tensors read together (each a bucket of its own at scale) and the next bucket,
@@ -111,14 +115,62 @@ def gathered_peak(buckets: list[BucketShape], reads: dict[str, tuple[int, int]])
     return peak
 
 
+class _Done:
+    """A collective that has finished: what the pool simulation's buckets wait for."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class _Launcher:
+    """GradBuckets' part the pool needs: its sharded buckets, and starting one's reduce-scatter."""
+
+    def __init__(self, buckets: list[Bucket], exchange: bool):
+        self.buckets, self.exchange = buckets, exchange
+
+    def launch(self, b: Bucket, out: torch.Tensor) -> Any:
+        return None if self.exchange else _Done()  # gloo's exchange is done on return; NCCL's is left in flight
+
+
+def in_flight_peak(trainable: dict[str, nn.Parameter], layout: list[BucketShape], first_use: dict[str, int],
+                   exchange: bool, backwards: int = 3) -> int:
+    """Most bytes of whole gradient buckets ZeRO-2 holds at once (GradientShards.peak_bytes): the runtime's pool
+    run on meta tensors, gradients arriving in backward_order, for a few backwards (its pool carries over).
+    ``exchange``: gloo's blocking reduce-scatter (one bucket sent at a time) instead of NCCL's in flight."""
+    named = backward_order(list(trainable.items()), first_use)
+    stand_in = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta")) for n, p in named}
+    buckets = []
+    for shape in layout:
+        if shape.ranks > 1:
+            params = [stand_in[n] for n in shape.names]
+            offsets, numel = bucket_offsets(params, shape.ranks)
+            flat = torch.empty(numel, dtype=params[0].dtype, device="meta")  # also its parameters' (numel)
+            buckets.append(Bucket("", None, flat, params, [], list(shape.names), offsets, shards=shape.ranks,
+                                  param_flat=flat))
+    if not buckets:
+        return 0
+    pool = GradientShards(_Launcher(buckets, exchange), first_use, exchange=exchange)
+    try:
+        order = [stand_in[n] for n, _ in named if any(n in b.names for b in buckets)]
+        for _ in range(backwards):
+            pool.prepare()
+            for p in order:
+                p.grad = torch.empty_like(p)
+                pool.arrived(p)
+            pool.finish_backward()
+    finally:
+        grad_hooks.release(stand_in.values())
+    return pool.peak_bytes
+
+
 def sharded_state(trainable: dict[str, torch.nn.Parameter], experts: set[str], dp: int, edp: int, bucket_mb: float,
-                  *, grads: bool, params: bool, reads: dict[str, tuple[int, int]] | None = None
-                  ) -> tuple[int, int, int, int]:
+                  *, grads: bool, params: bool, reads: dict[str, tuple[int, int]] | None = None,
+                  exchange: bool = False) -> tuple[int, int, int, int]:
     """Bytes a rank keeps of the trainable parameters and their model-dtype gradients: (parameters, gradients,
     ZeRO-2's whole gradient buckets in flight, ZeRO-3's whole parameter buckets gathered at most).
 
-    ``grads`` (ZeRO-2): the gradients are this rank's range of each split bucket (padding included), + min(IN_FLIGHT
-    + 1, split buckets) x the largest. ``params`` (ZeRO-3, needs ``grads``): the parameters are that range too, +
+    ``grads`` (ZeRO-2): the gradients are this rank's range of each split bucket (padding included), + the most
+    whole buckets in flight at once (:func:`in_flight_peak`; ``exchange``: gloo's). ``params`` (ZeRO-3, needs ``grads``): the parameters are that range too, +
     the most whole buckets gathered at once as the graph reads them (``reads``, see :func:`gathered_peak`).
     """
     whole = sum(p.numel() * p.element_size() for p in trainable.values())
@@ -129,6 +181,7 @@ def sharded_state(trainable: dict[str, torch.nn.Parameter], experts: set[str], d
     split = [b for b in layout if b.ranks > 1]
     mine = sum(b.nbytes // b.ranks for b in split)
     mine += sum(trainable[n].numel() * trainable[n].element_size() for b in layout if b.ranks == 1 for n in b.names)
-    largest = max((b.nbytes for b in split), default=0)
+    first_use = {n: f for n, (f, _) in reads.items()}
+    in_flight = in_flight_peak(trainable, layout, first_use, exchange)
     gathered = gathered_peak(split, reads) if params else 0
-    return (mine if params else whole), mine, min(IN_FLIGHT + 1, len(split)) * largest, gathered
+    return (mine if params else whole), mine, in_flight, gathered

@@ -95,8 +95,10 @@ def _compare(rank: int, world_size: int, ep: int, dtype: str | None, batch: int 
         both = {"recompute": extra["recompute"]} if extra and "recompute" in extra else {}
         result, step = make_step(world_size, ep, shard, dtype, batch, **(dict(extra or {}) if shard else both))
         metrics = _train(step, rank, world_size, 0, STEPS)
-        gathered = step.buckets.param_shards
+        gathered, pool = step.buckets.param_shards, step.buckets.grad_shards
         out[shard] = {
+            "in_flight_peak": pool.peak_bytes if pool else None,  # what the estimator simulates, on this backend
+            "in_flight_estimate": _in_flight_estimate(result) if pool else None,
             "param_bytes": step.param_bytes(), "gathered_peak": gathered.peak_bytes if gathered else None,
             "whole_bytes": sum(b.numel * b.dtype.itemsize for b in step.buckets.buckets if b.shards > 1),
             "metrics": metrics, "bytes": step.optimizer_bytes(), "collectives": step.buckets.collectives_per_step(),
@@ -110,6 +112,15 @@ def _compare(rank: int, world_size: int, ep: int, dtype: str | None, batch: int 
             "decay": [g["weight_decay"] for g in step.optimizer.param_groups],
         }
     return out
+
+
+def _in_flight_estimate(result: Any) -> int:
+    """The estimator's whole gradient buckets in flight, for the collective forms this run uses."""
+    import moecompile as mc
+    import moecompile.grad_sync as grad_sync
+
+    backend = "gloo" if grad_sync._is_gloo(None) else "nccl"
+    return mc.estimate_memory(result, by_pass=False, bucket_mb=0.05, backend=backend).in_flight_grads
 
 
 def _whole_params(step: Any, result: Any) -> dict[str, torch.Tensor]:

@@ -78,8 +78,8 @@ class ParallelConfig(Section):
         False,
         "ZeRO-2, on top of shard_optimizer: a rank keeps the gradients of its range only. Each bucket is "
         "reduce-scattered as soon as backward has filled it (in bucket order) and its whole buffer is reused, so "
-        "a rank holds 1/d of the gradients plus two or three buckets in flight; one reduce-scatter per "
-        "micro-batch instead of one per step. Needs shard_optimizer: true.",
+        "a rank holds 1/d of the gradients plus the buckets in flight (estimate_memory's in_flight_grads); one "
+        "reduce-scatter per micro-batch instead of one per step. Needs shard_optimizer: true.",
     )
     shard_parameters: bool = doc_field(
         False,

@@ -49,7 +49,7 @@ import dataclasses
 from typing import Any
 
 from ..costs import human
-from ..bucket_layout import IN_FLIGHT
+from ..grad_shards import IN_FLIGHT
 from ..memory_shards import IN_FLIGHT_PARAM_BUCKETS
 from .cluster import GiB, Cluster, Span
 from .profile import LayerProfile, ModelProfile, NodeCost
@@ -58,8 +58,10 @@ from .profile import LayerProfile, ModelProfile, NodeCost
 BACKWARD_FACTOR = 2.0  # backward = dgrad + wgrad = 2x the forward's FLOPs and bytes (the usual 6N rule)
 CAUSAL_FRACTION = 0.5  # causal attention kernels skip the masked half of the S x S scores
 ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32 per parameter (build_train_step keeps fp32 masters)
-# ZeRO-2's pool of whole bucket buffers a rank keeps: NCCL's IN_FLIGHT reduce-scatters + the bucket backward
-# fills (gloo keeps 2: one buffer and its exchange's receive bucket); the bound the runtime's pool stays under
+# ZeRO-2's whole bucket buffers a rank holds, priced without a per-tensor layout: NCCL's IN_FLIGHT reduce-scatters
+# + the bucket backward fills. An approximation, not a bound: the runtime's pool (simulated exactly by
+# moecompile.memory_estimate on a graph, memory_shards.in_flight_peak) also holds a second bucket filling side by
+# side (dense and expert) and the received ranges, and hands a big pooled buffer to a small bucket
 IN_FLIGHT_BUCKETS = IN_FLIGHT + 1
 _FP8_CATEGORY = {"experts": "experts", "shared_experts": "shared_experts", "dense": "dense_mlp",
                  "attention_proj": "attention_proj"}
@@ -465,7 +467,8 @@ def in_flight_bytes(profile: ModelProfile, cand: Candidate, gpus: int) -> float:
 
     A bucket is at most ``bucket_mb``, or one parameter bigger than that (a bucket of its own:
     DeepSeek-V3's embedding is 1.85 GB), and at most all the gradients of its kind. The runtime's
-    pool holds at most IN_FLIGHT + 1 buffers between steps, each sized for one bucket: this is its bound.
+    pool keeps at most IN_FLIGHT + 1 buffers between steps; at its peak in backward it can hold more
+    (see IN_FLIGHT_BUCKETS), which only a per-tensor layout prices exactly (moecompile.memory_estimate).
     """
     if not cand.shard_gradients:
         return 0.0
@@ -504,7 +507,7 @@ def per_param_bytes(profile: ModelProfile, cand: Candidate) -> tuple[float, floa
     e = profile.elem_bytes
     if profile.state_bytes is not None and cand.grad_bytes is None:
         grad, state = profile.state_bytes
-        return grad, state, "fp32 masters, their grads and AdamW states, from the moecompile.memory estimator"
+        return grad, state, "fp32 masters, their grads and AdamW states, from the moecompile.memory_estimate estimator"
     grad = cand.grad_bytes or e
     master = 4 if e < 4 else 0
     master_grad = master if grad < 4 else 0

@@ -11,7 +11,7 @@ convert one MoE layer (and one dense layer when the model has dense layers of an
 width) and scale by layer count: the ops outside ``model.layers.N`` are the base
 (embedding, final norm, head), the ops of layer 0 are one layer. That is exact for FLOPs
 and bytes of identical layers. Activation memory comes from the memory estimator
-(``moecompile.memory``), whose per-layer split is scaled the same way; without it, the
+(``moecompile.memory_estimate``), whose per-layer split is scaled the same way; without it, the
 whole-graph figure of ``moecompile.costs`` at 1 and 2 layers is differenced. The
 multi-token-prediction module is not modelled. FLOPs are ``moecompile.costs.node_flops``.
 """
@@ -356,13 +356,13 @@ class Memory:
 
 
 def measure_activations(result: Any, micro_batch: int) -> Memory:
-    """The memory estimator's figure for ``result`` (``moecompile.memory``), or moecompile.costs' without it."""
+    """The memory estimator's figure for ``result`` (``moecompile.memory_estimate``), or moecompile.costs' without it."""
     try:
-        from ..memory import estimate_memory  # the memory engineer's estimator
+        from ..memory_estimate import estimate_memory  # the memory engineer's estimator
     except ImportError:
         c = costs.graph_costs(result.history[-1].graph)
         return Memory(float(c.activation_bytes), None,
-                      "moecompile.costs activation_bytes (moecompile.memory not available)", None)
+                      "moecompile.costs activation_bytes (moecompile.memory_estimate not available)", None)
     try:
         est = estimate_memory(result, batch=micro_batch, by_pass=False, shard_optimizer=False,  # per element, whole
                               shard_gradients=False)
@@ -376,7 +376,7 @@ def measure_activations(result: Any, micro_batch: int) -> Memory:
         by_layer[idx] = by_layer.get(idx, 0.0) + float(sum(cats.values()))
     n = sum(p.numel() for p in dict(result.module.named_parameters()).values())
     state = ((est.grads - est.master_grads) / n, (est.optimizer + est.masters + est.master_grads) / n) if n else None
-    return Memory(float(est.activations), by_layer, "moecompile.memory.estimate_memory", state)
+    return Memory(float(est.activations), by_layer, "moecompile.memory_estimate.estimate_memory", state)
 
 
 # --- building profiles --------------------------------------------------------------------------------
