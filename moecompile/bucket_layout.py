@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Callable
+from typing import Any, Callable
 
 import torch.fx as fx
 import torch.nn as nn
@@ -24,6 +24,7 @@ from .meta import MoEInfo
 EXPERT_KEYS = ("w_in", "w_out", "b_in", "b_out")  # MoEInfo.params keys of sharded expert tensors
 ALIGN_BYTES = 256  # a parameter's offset in a sharded bucket (CUDA's allocator aligns to 512)
 _READ_THROUGH: set[Callable] = set()  # graph targets whose i-th output is argument 2 + i, read (ZeRO-3's gather)
+_RUNTIME_ONLY: set[Callable] = set()  # graph targets the step's runtime inserts that compute nothing (release, wait)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,23 @@ def read_through(target: Callable) -> None:
     """Register a graph target that passes parameters on: ``target(a, b, *params)``'s i-th output is params[i],
     so ``param_reads`` follows it to the nodes reading that output (ZeRO-3's ``gather_bucket``)."""
     _READ_THROUGH.add(target)
+
+
+def runtime_only(target: Callable) -> None:
+    """Register a graph target the step's runtime inserts that computes nothing (ZeRO-3's release, a wait for an
+    in-flight all-gather): an analysis of the graph skips it."""
+    _RUNTIME_ONLY.add(target)
+
+
+def analysed_value(target: Any, args: tuple) -> tuple[bool, Any]:
+    """(True, the value) for a node the step's runtime inserted, as an analysis of the graph (moecompile.memory's
+    fake run) takes it: a read-through passes its parameters on, a runtime-only node is None; else (False, None).
+    Running them would gather, release or wait for real buffers in the middle of an estimate."""
+    if target in _READ_THROUGH:
+        return True, tuple(args[2:])
+    if target in _RUNTIME_ONLY:
+        return True, None
+    return False, None
 
 
 def param_reads(gm: nn.Module) -> dict[str, tuple[int, int]]:

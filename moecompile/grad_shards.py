@@ -3,18 +3,21 @@
 ZeRO-1 (``parallel.shard_optimizer``) still accumulates every gradient whole in the flat
 buckets. Here backward's gradients pass through instead::
 
-    backward: grad of p  ->  post-accumulate hook: copy into p's bucket (a buffer from a small
-              pool), free p.grad
+    backward: grad of p  ->  post-accumulate hook: copy into p's bucket (a whole buffer, allocated
+              when its first gradient arrives), free p.grad
     bucket complete (and every bucket before it sent: all ranks send in one order)
               ->  reduce-scatter into this rank's range, which accumulates over micro-batches;
-                  the buffer goes back to the pool once the collective is done
+                  the buffer goes back to the allocator once the collective is done
     end of backward: buckets whose parameters got no gradient are sent as they are (zeros)
 
-so a rank holds 1/d of the gradients plus the buckets in flight (the ones backward fills side
-by side, up to ``in_flight`` being reduce-scattered with the ranges they receive, and the pool's:
-``peak_bytes``, which moecompile.memory_shards.in_flight_peak reproduces on meta tensors), where
-ZeRO-1 holds all of them. The optimizer, its state and the all-gather of the parameters are
-ZeRO-1's. Reduce-scattering per micro-batch rounds the sum over micro-batches per rank range
+so a rank holds 1/d of the gradients plus the buckets in flight: those backward fills side by
+side and up to ``in_flight`` being reduce-scattered, with the ranges they receive (``peak_bytes``,
+which moecompile.memory_shards.in_flight_peak reproduces on meta tensors), where ZeRO-1 holds all
+of them. The allocator is the pool: CUDA's caching allocator, or glibc keeping freed blocks
+(build_train_step's keep_host_memory). A pool of bucket buffers of our own costs memory: a buffer
+it keeps idle for a later bucket is alive, where a freed block serves any allocation, and one it
+hands to a smaller bucket is busy when the big bucket comes (the embedding, after the layers).
+The optimizer, its state and the all-gather of the parameters are ZeRO-1's. Reduce-scattering per micro-batch rounds the sum over micro-batches per rank range
 rather than per element of a whole bucket, the one difference from ZeRO-1's numbers.
 """
 
@@ -55,12 +58,11 @@ class GradientShards:
                 self.where[id(p)] = (b, i)
             grad_hooks.watch(self, b.params)
         self.exchange = {id(b): _is_gloo(b.group) if exchange is None else exchange for b in self.buckets}
-        self.pool: list[torch.Tensor] = []
         self.pending: collections.deque = collections.deque()
         self.received: dict[int, set[int]] = {id(b): set() for b in self.buckets}
         self.sent = 0  # buckets sent this backward, in order
         self.on_bucket_done: Any = None  # called with a bucket once all its gradients arrived (ZeRO-3 releases it)
-        self.peak_bytes = 0  # most bytes of whole buckets alive at once: pooled, filling, or in a collective
+        self.peak_bytes = 0  # most bytes of whole buckets alive at once: filling, or in a collective
 
     def prepare(self) -> None:
         """Before a step: no gradient kept yet, nothing sent (whatever a step that raised midway left behind)."""
@@ -76,7 +78,7 @@ class GradientShards:
     def arrived(self, p: nn.Parameter) -> None:
         b, i = self.where[id(p)]
         if b.flat is None:
-            b.flat = self._take(b.numel, b.grad.dtype, b.grad.device)
+            b.flat = self._new(b)
         off = b.offsets[i]
         b.flat[off : off + p.numel()].view_as(p).copy_(p.grad)
         p.grad = None  # the whole gradient lives on only in the bucket
@@ -93,55 +95,45 @@ class GradientShards:
             self._send(self.buckets[self.sent])
         while self.pending:
             self._finish_one()
-        # buffers for buckets that backward filled side by side go back to the allocator; kept: one per
-        # reduce-scatter that may be in flight, and one (gloo's exchange has finished before the next starts)
-        del self.pool[1 if all(self.exchange.values()) else self.in_flight + 1 :]
         self.sent = 0
         for b in self.buckets:
             self.received[id(b)].clear()
 
     def _send(self, b: Any) -> None:
         if b.flat is None:
-            b.flat = self._take(b.numel, b.grad.dtype, b.grad.device)
+            b.flat = self._new(b)
         for i, p in enumerate(b.params):  # no gradient this backward: it contributes zeros
             if i not in self.received[id(b)]:
                 b.flat[b.offsets[i] : b.offsets[i] + p.numel()].zero_()
-        for lo, hi in self.gaps[id(b)]:  # a reused buffer holds anything there
+        for lo, hi in self.gaps[id(b)]:  # a new buffer holds anything there
             b.flat[lo:hi].zero_()
         out = torch.empty_like(b.grad)
         self._note_peak(out)
         handle = self.owner.launch(b, out)
-        self.pending.append((b, handle, out, b.flat if b.flat._base is None else b.flat._base))
+        self.pending.append((b, handle, out, b.flat))
         b.flat = None
         self.sent += 1
         if handle is None or len(self.pending) > self.in_flight:  # an exchange has finished already
             self._finish_one()
 
     def _finish_one(self) -> None:
-        b, handle, out, flat = self.pending.popleft()
+        b, handle, out, _ = self.pending.popleft()  # its whole buffer goes with it, the collective done
         if handle is not None:
             b.wait(handle, "gradient reduce-scatter")
         b.grad.add_(out)
-        self.pool.append(flat)
 
-    def _take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A bucket-sized buffer: one the pool holds, or a new one (the pool keeps in_flight + 1 of them)."""
-        for k, t in enumerate(self.pool):
-            if t.numel() >= numel and t.dtype == dtype and t.device == device:
-                return self.pool.pop(k)[:numel]
-        if self.pool:  # none fits: trade the smallest for a new one, so the pool stays bounded
-            del self.pool[min(range(len(self.pool)), key=lambda k: self.pool[k].numel())]  # by place: == is elementwise
-        buffer = torch.empty(numel, dtype=dtype, device=device)
+    def _new(self, b: Any) -> torch.Tensor:
+        """A whole buffer for bucket ``b``, from the allocator."""
+        buffer = torch.empty(b.numel, dtype=b.grad.dtype, device=b.grad.device)
         self._note_peak(buffer)
         return buffer
 
     def in_flight_bytes(self, new: torch.Tensor | None = None) -> int:
-        """Bytes of whole bucket buffers alive now (and ``new``, just allocated): the pool's, those backward is
-        filling, and those of collectives in flight with their received ranges."""
-        held = [*self.pool, *(b.flat for b in self.buckets if b.flat is not None),
+        """Bytes of whole bucket buffers alive now (and ``new``, just allocated): those backward is filling, and
+        those of collectives in flight with the ranges they receive."""
+        held = [*(b.flat for b in self.buckets if b.flat is not None),
                 *(t for entry in self.pending for t in entry[2:])] + ([] if new is None else [new])
-        bases = {id(t._base if t._base is not None else t): t._base if t._base is not None else t for t in held}
-        return sum(t.numel() * t.element_size() for t in bases.values())
+        return sum(t.numel() * t.element_size() for t in held)
 
     def _note_peak(self, new: torch.Tensor) -> None:
         self.peak_bytes = max(self.peak_bytes, self.in_flight_bytes(new))

@@ -219,7 +219,6 @@ class GradBuckets:
         """Bytes this rank holds for gradients between steps: whole buckets, own ranges, reusable buffers."""
         held = [b.flat for b in self.buckets if b.flat is not None] + [b.grad for b in self.buckets if b.grad is not None]
         held += [self._scratch] if self._scratch is not None else []
-        held += self.grad_shards.pool if self.grad_shards is not None else []
         return sum(t.numel() * t.element_size() for t in held)
 
     def collectives_per_step(self) -> int:

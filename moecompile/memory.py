@@ -35,6 +35,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch._subclasses import FakeTensorMode
 
+from .bucket_layout import analysed_value
 from .costs import node_flops
 from .errors import MoecompileError
 from .graph import module_path
@@ -236,6 +237,9 @@ class _FakeRun:
         return None
 
     def call(self, node: fx.Node, root: torch.nn.Module, a: tuple, kw: dict) -> Any:
+        inserted, value = analysed_value(node.target, a)  # a training step's own nodes (ZeRO-3's gathers...)
+        if inserted:
+            return value
         if node.op == "call_function":
             saving, self.saving = self.saving, None  # node_flops may run the op on meta["val"]s
             try:

@@ -148,9 +148,9 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
 
     ``shard_gradients`` (None: ``plan.parallel.shard_gradients``, or False when ``shard_optimizer=False``
     is passed): ZeRO-2, the model-dtype grads are this rank's range too, plus the whole bucket
-    buffers in flight (``in_flight_grads``): the most at once of those backward fills side by side, those
-    whose reduce-scatter is running and those the pool keeps, from build_train_step's own pool run over
-    the buckets of ``bucket_mb`` (build_train_step's) in the graph's backward order
+    buffers in flight (``in_flight_grads``): the most at once of those backward fills side by side and
+    those whose reduce-scatter is running, from build_train_step's own code run over the buckets of
+    ``bucket_mb`` (build_train_step's) in the graph's backward order
     (memory_shards.in_flight_peak). ``backend``: the collectives' ("nccl" keeps 2 reduce-scatters in
     flight, "gloo" exchanges one bucket at a time); None: the run's process group's, or without one
     nccl for CUDA parameters and gloo for CPU ones. A bucket over a group of one rank (experts at
@@ -197,7 +197,7 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
         raise MoecompileError("estimate_memory: shard_parameters=True needs shard_gradients (ZeRO-3 keeps the "
                               "parameters of the ranges whose gradients ZeRO-2 keeps): pass shard_gradients=True "
                               "and shard_optimizer=True too, or shard_parameters=False")
-    # this rank's ranges, the pool of whole gradient buckets backward fills and sends, the parameter buckets gathered
+    # this rank's ranges, the whole gradient buckets backward fills and sends, the parameter buckets gathered
     mine, g_bytes, in_flight, gathered = sharded_state(trainable, experts, dp, edp, bucket_mb,
                                                        grads=bool(shard_gradients), params=bool(shard_parameters),
                                                        reads=param_reads(gm),

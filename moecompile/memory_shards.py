@@ -4,7 +4,7 @@
 split over the dp ranks, expert buckets over the edp = dp / ep ranks holding the same experts; the
 rank keeps optimizer states, fp32 masters and their grads for that range only.
 ``parallel.shard_gradients`` (ZeRO-2) keeps the model-dtype gradients of the range too, plus the
-whole bucket buffers in flight: the runtime's own pool (moecompile/grad_shards.py) run here on meta
+whole bucket buffers in flight: the runtime's own code (moecompile/grad_shards.py) run here on meta
 tensors over the buckets' layout (moecompile/bucket_layout.py), nothing allocated.
 ``parallel.shard_parameters`` (ZeRO-3) keeps the parameters of the range only too, plus the whole
 sharded buckets gathered while forward or backward reads them (moecompile/param_shards.py).
@@ -116,14 +116,14 @@ def gathered_peak(buckets: list[BucketShape], reads: dict[str, tuple[int, int]])
 
 
 class _Done:
-    """A collective that has finished: what the pool simulation's buckets wait for."""
+    """A collective that has finished: what the simulated buckets wait for."""
 
     def wait(self) -> bool:
         return True
 
 
 class _Launcher:
-    """GradBuckets' part the pool needs: its sharded buckets, and starting one's reduce-scatter."""
+    """GradBuckets' part GradientShards needs: its sharded buckets, and starting one's reduce-scatter."""
 
     def __init__(self, buckets: list[Bucket], exchange: bool):
         self.buckets, self.exchange = buckets, exchange
@@ -133,9 +133,9 @@ class _Launcher:
 
 
 def in_flight_peak(trainable: dict[str, nn.Parameter], layout: list[BucketShape], first_use: dict[str, int],
-                   exchange: bool, backwards: int = 3) -> int:
-    """Most bytes of whole gradient buckets ZeRO-2 holds at once (GradientShards.peak_bytes): the runtime's pool
-    run on meta tensors, gradients arriving in backward_order, for a few backwards (its pool carries over).
+                   exchange: bool) -> int:
+    """Most bytes of whole gradient buckets ZeRO-2 holds at once (GradientShards.peak_bytes): the runtime's
+    GradientShards run on meta tensors for one backward, gradients arriving in backward_order.
     ``exchange``: gloo's blocking reduce-scatter (one bucket sent at a time) instead of NCCL's in flight."""
     named = backward_order(list(trainable.items()), first_use)
     stand_in = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta")) for n, p in named}
@@ -149,18 +149,18 @@ def in_flight_peak(trainable: dict[str, nn.Parameter], layout: list[BucketShape]
                                   param_flat=flat))
     if not buckets:
         return 0
-    pool = GradientShards(_Launcher(buckets, exchange), first_use, exchange=exchange)
+    shards = GradientShards(_Launcher(buckets, exchange), first_use, exchange=exchange)
     try:
-        order = [stand_in[n] for n, _ in named if any(n in b.names for b in buckets)]
-        for _ in range(backwards):
-            pool.prepare()
-            for p in order:
-                p.grad = torch.empty_like(p)
-                pool.arrived(p)
-            pool.finish_backward()
+        shards.prepare()
+        sharded = {n for b in buckets for n in b.names}
+        for n, _ in named:
+            if n in sharded:
+                stand_in[n].grad = torch.empty_like(stand_in[n])
+                shards.arrived(stand_in[n])
+        shards.finish_backward()
     finally:
         grad_hooks.release(stand_in.values())
-    return pool.peak_bytes
+    return shards.peak_bytes
 
 
 def sharded_state(trainable: dict[str, torch.nn.Parameter], experts: set[str], dp: int, edp: int, bucket_mb: float,

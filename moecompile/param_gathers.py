@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .bucket_layout import param_reads
+from .bucket_layout import param_reads, runtime_only
 from .grad_sync import start_all_gather
 
 _OWNERS: "weakref.WeakValueDictionary[int, InFlightGathers]" = weakref.WeakValueDictionary()
@@ -43,6 +43,7 @@ def wait_for_bucket(key: int, k: int) -> None:
 
 
 torch.fx.node.has_side_effect(wait_for_bucket)
+runtime_only(wait_for_bucket)
 
 
 def settle(module: nn.Module) -> None:

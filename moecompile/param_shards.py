@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from . import tensor_handles
 from .errors import MoecompileError
-from .bucket_layout import read_through, readers
+from .bucket_layout import read_through, readers, runtime_only
 from .grad_sync import start_all_gather
 
 _OWNERS: "weakref.WeakValueDictionary[int, ParameterShards]" = weakref.WeakValueDictionary()
@@ -113,6 +113,7 @@ def release_bucket(key: int, k: int, into_backward: bool = False) -> None:
 torch.fx.node.has_side_effect(gather_bucket)
 torch.fx.node.has_side_effect(release_bucket)
 read_through(gather_bucket)
+runtime_only(release_bucket)
 
 
 def take_over(module: nn.Module) -> None:

@@ -109,17 +109,3 @@ def test_four_ranks_shard_expert_parameters_over_edp():
         unsharded, sharded = r["ep2_zero3"][False], r["ep2_zero3"][True]
         _assert_same_training(unsharded, sharded)
         assert sharded["param_bytes"] < unsharded["param_bytes"] * 0.55  # dense / 4, experts / 2
-
-
-def test_the_gradient_buffer_pool_trades_its_smallest_buffer_wherever_it_sits():
-    """A pool of differently sized buffers, none big enough: the smallest goes (list.remove compared tensors)."""
-    import types
-
-    from moecompile.grad_shards import GradientShards
-
-    pool = [torch.zeros(8), torch.zeros(4), torch.zeros(6)]
-    owner = types.SimpleNamespace(pool=list(pool))
-    got = GradientShards._take(owner, 16, torch.float32, torch.device("cpu"))
-    assert got.numel() == 16 and [t.numel() for t in owner.pool] == [8, 6]
-    assert GradientShards._take(owner, 5, torch.float32, torch.device("cpu")).numel() == 5  # the 8 fits: taken
-    assert [t.numel() for t in owner.pool] == [6]
