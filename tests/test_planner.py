@@ -392,36 +392,68 @@ def _mem(est) -> dict:
 
 
 def test_sharded_gradients_are_the_ranks_range_plus_the_buckets_in_flight(tiny_profile):
-    """bf16 grads 2 B: dense / dp, experts / edp, + 3 whole buckets (25 MiB, or all of a kind's grads if less)."""
-    from moecompile.planner.cost_model import static_memory
+    """bf16 grads 2 B: dense / dp, experts / edp, + the whole buckets in flight at their peak: the runtime's
+    GradientShards run over the model's parameter layout in NCCL's form (planner/whole_buckets.py)."""
+    from moecompile.planner.cost_model import in_flight_bytes, static_memory
 
     D, X = tiny_profile.dense_params, tiny_profile.expert_params
     assert (D, X) == (18592, 2 * 64 * 3 * 32 * 64)  # tiny-llama: 2 layers x E=64 x (gate, up, down) x H x F
     assert tiny_profile.largest_params == (128 * 32, 64 * 2 * 64 * 32)  # the embedding; one layer's w_gate_up
     cl, MiB = tiny_cluster(8), 2**20
     z1, z2 = (_mem(estimate(tiny_profile, cl, c, 8)) for c in (_zero1(tiny_profile, 2, True), _zero2(tiny_profile, 2)))
-    # ep=2 on 8 GPUs: dp=8, edp=4; the experts' 786432 B of grads per rank are less than a bucket: one bucket
+    in_flight = in_flight_bytes(tiny_profile, _zero2(tiny_profile, 2), 8)
+    # ep=2 on 8 GPUs: dp=8, edp=4; one bucket per kind (each less than 25 MiB), which backward fills side by
+    # side, then both reduce-scatters in flight with the ranges they receive (up to the alignment padding)
+    assert in_flight == pytest.approx(2 * D * (1 + 1 / 8) + X * (1 + 1 / 4), rel=0.01)
     assert z1["grads"] == (D + X / 2) * 2
-    assert z2["grads"] == pytest.approx((D / 8 + X / 2 / 4) * 2 + 3 * (X / 2 * 2))
+    assert z2["grads"] == pytest.approx((D / 8 + X / 2 / 4) * 2 + in_flight)
     assert z2["params"] == z1["params"] and z2["optimizer"] == z1["optimizer"]  # only the gradients change
     assert z2["grads"] > z1["grads"]  # a tiny model: the buckets in flight outweigh what the range saves
-    # buckets of one parameter each (bucket_mb ~ 0): the largest parameter of a sharded kind, per rank
-    tiny_buckets = _mem(estimate(tiny_profile, cl, _zero2(tiny_profile, 2, bucket_mb=1e-6), 8))
-    assert tiny_buckets["grads"] == pytest.approx((D / 8 + X / 8) * 2 + 3 * (64 * 2 * 64 * 32 / 2 * 2))
+    # buckets of one parameter each (bucket_mb ~ 0): a few at once, the largest a rank's w_gate_up
+    largest = 64 * 2 * 64 * 32 / 2 * 2
+    tiny_buckets = in_flight_bytes(tiny_profile, _zero2(tiny_profile, 2, bucket_mb=1e-6), 8)
+    assert largest < tiny_buckets < 3 * largest * (1 + 1 / 4)
     # ep=8 on 8 GPUs: experts have no replica (edp=1), their grads stay whole and no expert bucket is in flight
     full_ep = _mem(estimate(tiny_profile, cl, _zero2(tiny_profile, 8), 8))
-    assert full_ep["grads"] == pytest.approx((D / 8 + X / 8) * 2 + 3 * (D * 2))
-    # past the bucket size, sharding saves: 2000 MoE layers (D, X ~ 10 M, 786 M elements), 25 MiB buckets
+    assert in_flight_bytes(tiny_profile, _zero2(tiny_profile, 8), 8) == pytest.approx(2 * D * (1 + 1 / 8), rel=0.05)
+    assert full_ep["grads"] == pytest.approx((D / 8 + X / 8) * 2 + in_flight_bytes(tiny_profile, _zero2(tiny_profile, 8), 8))
+    # past the bucket size, sharding saves: 2000 MoE layers (D, X ~ 10 M, 786 M elements), 25 MiB buckets: a dense
+    # and an expert bucket filling side by side, up to two more being reduce-scattered
     big = _deep(tiny_profile, 1000)
     Db, Xb = big.dense_params, big.expert_params
     z1b, z2b = (_mem(estimate(big, cl, c, 8)) for c in (_zero1(big, 1, True), _zero2(big, 1)))
-    assert z2b["grads"] == pytest.approx((Db + Xb) / 8 * 2 + 3 * 25 * MiB)
+    in_flight_b = in_flight_bytes(big, _zero2(big, 1), 8)
+    assert 2 * 25 * MiB < in_flight_b <= 4 * 25 * MiB * (1 + 1 / 8)
+    assert z2b["grads"] == pytest.approx((Db + Xb) / 8 * 2 + in_flight_b)
     assert z1b["grads"] - z2b["grads"] > 1e9
     assert (static_memory(big, _zero1(big, 1, True), 8) - static_memory(big, _zero2(big, 1), 8)
             == pytest.approx(z1b["grads"] - z2b["grads"]))
     assert "zero2" in _zero2(big, 1).describe() and "zero1" not in _zero2(big, 1).describe()
-    assert "3 whole buckets in flight" in next(t.detail for t in estimate(big, cl, _zero2(big, 1), 8).memory
-                                               if t.name == "grads")
+    detail = next(t.detail for t in estimate(big, cl, _zero2(big, 1), 8).memory if t.name == "grads")
+    assert "whole buckets in flight" in detail and "at the peak" in detail
+    # without the layout (a pipeline stage holds part of it) the approximation: 3 of the largest
+    staged = dataclasses.replace(_zero2(big, 1), pp=2)
+    assert "3 of the largest" in next(t.detail for t in estimate(big, cl, staged, 8).memory if t.name == "grads")
+
+
+def test_the_planner_prices_the_buckets_in_flight_as_the_memory_estimator_does():
+    """The oracle: a profile of a converted graph (every layer read as it is) prices ZeRO-2's buckets in flight
+    exactly as estimate_memory does on that graph (NCCL's form), and a config's profile (one layer traced, scaled
+    by count) lays the same model's parameters out in the same order."""
+    from moecompile.models import build_model
+    from moecompile.planner import whole_buckets
+    from moecompile.planner.cost_model import in_flight_bytes
+    from moecompile.planner.profile import profile_result
+
+    dense, (ids,) = build_model("tiny-llama", batch_size=1, seq_len=8, dtype="bfloat16")
+    result = mc.convert(dense, {"experts": MANY}, (ids,))
+    graph = profile_result(result)
+    assert whole_buckets.model_order(graph) == whole_buckets.model_order(profile_config("tiny-llama", seq_len=8,
+                                                                                        experts=MANY))
+    for bucket_mb in (25.0, 0.05):
+        est = mc.estimate_memory(result, by_pass=False, dp=8, shard_optimizer=True, shard_gradients=True,
+                                 backend="nccl", bucket_mb=bucket_mb)
+        assert in_flight_bytes(graph, _zero2(graph, 1, bucket_mb=bucket_mb), 8) == est.in_flight_grads > 0
 
 
 def _deep(profile, factor: int):

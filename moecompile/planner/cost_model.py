@@ -39,7 +39,7 @@ The model, per micro-batch and rank (T tokens of the micro-batch, /tp with seque
   the graph keeps for backward, from the memory estimator (or moecompile.costs when it is absent).
   Sharded, a rank keeps the AdamW states, fp32 masters and their grads of its range only; the
   parameters and the model-dtype gradient buckets stay whole, except under ZeRO-2: its range of the
-  gradients plus the pool of whole bucket buffers in flight (:func:`in_flight_bytes`), and under
+  gradients plus the whole bucket buffers in flight (:func:`in_flight_bytes`), and under
   ZeRO-3 its range of the parameters plus the whole buckets gathered (:func:`gathered_bytes`).
 """
 
@@ -52,16 +52,16 @@ from ..costs import human
 from ..grad_shards import IN_FLIGHT
 from ..memory_shards import IN_FLIGHT_PARAM_BUCKETS
 from .cluster import GiB, Cluster, Span
+from . import whole_buckets
 from .profile import LayerProfile, ModelProfile, NodeCost
 
 # Assumptions of the step model, stated once (efficiencies of the hardware live in cluster.py).
 BACKWARD_FACTOR = 2.0  # backward = dgrad + wgrad = 2x the forward's FLOPs and bytes (the usual 6N rule)
 CAUSAL_FRACTION = 0.5  # causal attention kernels skip the masked half of the S x S scores
 ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32 per parameter (build_train_step keeps fp32 masters)
-# ZeRO-2's whole bucket buffers a rank holds, priced without a per-tensor layout: NCCL's IN_FLIGHT reduce-scatters
-# + the bucket backward fills. An approximation, not a bound: the runtime's pool (simulated exactly by
-# moecompile.memory_estimate on a graph, memory_shards.in_flight_peak) also holds a second bucket filling side by
-# side (dense and expert) and the received ranges, and hands a big pooled buffer to a small bucket
+# ZeRO-2's whole bucket buffers a rank holds, where a profile has no parameter layout to run the runtime over:
+# NCCL's IN_FLIGHT reduce-scatters + the bucket backward fills. An approximation, not a bound (a second bucket
+# may fill side by side, dense and expert, and the received ranges are alive too)
 IN_FLIGHT_BUCKETS = IN_FLIGHT + 1
 _FP8_CATEGORY = {"experts": "experts", "shared_experts": "shared_experts", "dense": "dense_mlp",
                  "attention_proj": "attention_proj"}
@@ -462,25 +462,31 @@ def grad_params(profile: ModelProfile, cand: Candidate, gpus: int) -> float:
 
 
 def in_flight_bytes(profile: ModelProfile, cand: Candidate, gpus: int) -> float:
-    """ZeRO-2's whole bucket buffers one rank keeps besides its range: IN_FLIGHT_BUCKETS x the largest
-    bucket that is sharded (a group of more than one rank); 0 without ``parallel.shard_gradients``.
+    """ZeRO-2's whole gradient buffers one rank holds besides its range, at their peak in backward; 0 without
+    ``parallel.shard_gradients``.
 
-    A bucket is at most ``bucket_mb``, or one parameter bigger than that (a bucket of its own:
-    DeepSeek-V3's embedding is 1.85 GB), and at most all the gradients of its kind. The runtime's
-    pool keeps at most IN_FLIGHT + 1 buffers between steps; at its peak in backward it can hold more
-    (see IN_FLIGHT_BUCKETS), which only a per-tensor layout prices exactly (moecompile.memory_estimate).
+    The runtime's own code over the model's parameter layout (planner/whole_buckets.py): the buckets
+    backward fills side by side and those being reduce-scattered, with their received ranges. Where
+    the profile has no layout (or under pp), IN_FLIGHT_BUCKETS x the largest sharded bucket: at most
+    ``bucket_mb``, or one parameter bigger than that, and at most all the gradients of its kind.
     """
     if not cand.shard_gradients:
         return 0.0
-    return IN_FLIGHT_BUCKETS * largest_bucket(profile, cand, gpus, per_param_bytes(profile, cand)[0])
+    grad = per_param_bytes(profile, cand)[0]
+    exact = whole_buckets.in_flight(profile, cand, *dp_sizes(gpus, cand), grad)
+    return float(exact) if exact is not None else IN_FLIGHT_BUCKETS * largest_bucket(profile, cand, gpus, grad)
 
 
 def gathered_bytes(profile: ModelProfile, cand: Candidate, gpus: int) -> float:
-    """ZeRO-3's whole parameter buckets one rank holds gathered besides its range: IN_FLIGHT_PARAM_BUCKETS (a
-    layer's two expert tensors read together and the next bucket, prefetched) x the largest sharded bucket, in
-    the parameter dtype; 0 without ``parallel.shard_parameters``."""
+    """ZeRO-3's whole parameter buckets one rank holds gathered besides its range, at their peak; 0 without
+    ``parallel.shard_parameters``. The runtime's gather / release order over the model's parameter layout
+    (planner/whole_buckets.py); without one, IN_FLIGHT_PARAM_BUCKETS (a layer's two expert tensors read
+    together and the next bucket, prefetched) x the largest sharded bucket, in the parameter dtype."""
     if not cand.shard_parameters:
         return 0.0
+    exact = whole_buckets.gathered(profile, cand, *dp_sizes(gpus, cand), profile.elem_bytes)
+    if exact is not None:
+        return float(exact)
     return IN_FLIGHT_PARAM_BUCKETS * largest_bucket(profile, cand, gpus, profile.elem_bytes)
 
 
@@ -515,6 +521,12 @@ def per_param_bytes(profile: ModelProfile, cand: Candidate) -> tuple[float, floa
                                                              f"AdamW {ADAMW_STATE_BYTES}")
 
 
+def _whole_how(profile: ModelProfile, cand: Candidate, nbytes: float, fallback: int) -> str:
+    if whole_buckets.simulated(profile, cand, nbytes):
+        return "at the peak, the runtime's order over the model's parameters"
+    return f"{fallback} of the largest"
+
+
 def static_memory(profile: ModelProfile, cand: Candidate, gpus: int) -> float:
     """Bytes of parameters, gradients and optimizer state per rank (no activations) on ``gpus`` GPUs."""
     return sum(t.value for t in _memory(profile, cand, gpus) if t.name != "activations")
@@ -531,12 +543,12 @@ def _memory(profile: ModelProfile, cand: Candidate, gpus: int) -> list[Term]:
         where = f"its range ({cand.zero}): dense / dp={dp}, experts / edp={edp}"
     graded = grad_params(profile, cand, gpus)
     buckets = in_flight_bytes(profile, cand, gpus)
-    grads_how = (f"{human(graded)} elements x {grad:g} B, {where}, + {IN_FLIGHT_BUCKETS} whole buckets in flight "
-                 f"({human(buckets, 'B', 1024)})" if cand.shard_gradients else
-                 f"{human(graded)} elements x {grad:g} B, whole on every rank")
+    grads_how = (f"{human(graded)} elements x {grad:g} B, {where}, + whole buckets in flight "
+                 f"({human(buckets, 'B', 1024)}, {_whole_how(profile, cand, grad, IN_FLIGHT_BUCKETS)})"
+                 if cand.shard_gradients else f"{human(graded)} elements x {grad:g} B, whole on every rank")
     gathered = gathered_bytes(profile, cand, gpus)
-    params = (Term("params", owned * e + gathered, f"{human(owned)} elements x {e} B, {where}, + "
-                   f"{IN_FLIGHT_PARAM_BUCKETS} whole buckets gathered ({human(gathered, 'B', 1024)})")
+    params = (Term("params", owned * e + gathered, f"{human(owned)} elements x {e} B, {where}, + whole buckets "
+                   f"gathered ({human(gathered, 'B', 1024)}, {_whole_how(profile, cand, e, IN_FLIGHT_PARAM_BUCKETS)})")
               if cand.shard_parameters else
               Term("params", params_rank * e, f"{human(params_rank)} elements x {e} B (experts / ep={cand.ep})"))
     act = profile.activation_bytes * cand.micro_batch / profile.micro_batch / cand.tp

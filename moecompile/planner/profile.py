@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from .. import costs
+from ..bucket_layout import param_reads
 from ..errors import MoecompileError
 from ..graph import module_path
 from ..meta import Role
@@ -71,6 +72,11 @@ class LayerProfile:
     expert_params: float = 0.0
     activation_bytes: float = 0.0  # kept for backward, per layer, one micro-batch (memory estimator)
     row_weight_bytes: float = 0.0  # per-row routing weights the experts' glu reads (apply_weights: activation)
+    # its parameters in the order the forward first reads them, as (elements, routed expert?), experts as all E;
+    # where gradient buckets are cut and which backward fills side by side (cost_model.in_flight_bytes)
+    tensors: tuple[tuple[float, bool], ...] = ()
+    tail: tuple[tuple[float, bool], ...] = ()  # the base's read after the layers (final norm, head)
+    first: int = 0  # the model's first layer of this kind (DeepSeek's dense layers come before its MoE ones)
 
     @property
     def flops(self) -> float:
@@ -308,6 +314,22 @@ def _params(result: Any) -> dict[int | None, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
+def _tensors(result: Any, ep: int = 1) -> dict[int | None, tuple[tuple[float, bool], ...]]:
+    """Per layer index, its trainable parameters in forward read order as (elements, routed expert?), experts
+    scaled to all E; None: the base's read before the first layer, -1: the base's read after the layers."""
+    reads = param_reads(result.module)
+    named = {n: p for n, p in result.module.named_parameters() if p.requires_grad}
+    at = {n: reads.get(n, (len(result.module.graph.nodes), 0))[0] for n in named}  # unread: last, as DDP takes them
+    layers = [at[n] for n in named if _layer_of(n) is not None]
+    out: dict[int | None, list[tuple[float, bool]]] = {}
+    for n in sorted(named, key=at.__getitem__):
+        expert = ".experts." in f".{n}"
+        idx = _layer_of(n)
+        key = idx if idx is not None else (None if not layers or at[n] < min(layers) else -1)
+        out.setdefault(key, []).append((float(named[n].numel() * (ep if expert else 1)), expert))
+    return {k: tuple(v) for k, v in out.items()}
+
+
 def _largest(*results: Any, ep: int = 1) -> tuple[float, float]:
     """(dense, expert) elements of the largest single parameter of ``results``; experts scaled to all E."""
     dense = expert = 0.0
@@ -436,10 +458,12 @@ def _profile_cached(key: str, seq_len: int, micro_batch: int, sections: str) -> 
         base_act, moe_act = 2 * m1.total - m2.total, m2.total - m1.total
         traced = "1 and 2 MoE layers"
     rows, hidden, weights = _moe_bytes(g1.get(0, []))
+    t1 = _tensors(p1)
     base = LayerProfile("base", 1, _costs_of(g1.get(None, [])), hidden_bytes=hidden,
-                        dense_params=par1.get(None, (0, 0))[0], activation_bytes=max(0.0, base_act))
+                        dense_params=par1.get(None, (0, 0))[0], activation_bytes=max(0.0, base_act),
+                        tensors=t1.get(None, ()), tail=t1.get(-1, ()))
     moe = LayerProfile("moe", arch.n_moe, _costs_of(g1.get(0, [])), rows, hidden, *par1.get(0, (0.0, 0.0)),
-                       activation_bytes=moe_act, row_weight_bytes=weights)
+                       activation_bytes=moe_act, row_weight_bytes=weights, tensors=t1.get(0, ()), first=arch.n_dense)
     layers = [base, moe]
     largest = _largest(p1)
     if arch.n_dense:
@@ -448,7 +472,8 @@ def _profile_cached(key: str, seq_len: int, micro_batch: int, sections: str) -> 
         md = measure_activations(d1, micro_batch)
         dense_act = _layer_memory(md, 0) if md.by_layer is not None else md.total - base_act
         layers.append(LayerProfile("dense", arch.n_dense, _costs_of(_split(d1).get(0, [])), 0.0, hidden,
-                                   _params(d1).get(0, (0.0, 0.0))[0], 0.0, activation_bytes=dense_act))
+                                   _params(d1).get(0, (0.0, 0.0))[0], 0.0, activation_bytes=dense_act,
+                                   tensors=_tensors(d1).get(0, ())))
         traced += " and 1 dense layer"
         largest = (max(largest[0], _largest(d1)[0]), largest[1])
     experts = p1.plan.experts
@@ -498,13 +523,15 @@ def profile_result(result: Any) -> ModelProfile:
         return [dataclasses.replace(n, weight_bytes=n.weight_bytes * ep, bytes=n.bytes + n.weight_bytes * (ep - 1))
                 if n.category == "experts" else n for n in nodes]
 
-    layers = [LayerProfile("base", 1, whole(_costs_of(groups.pop(None, []))), dense_params=params.get(None, (0, 0))[0])]
+    tensors = _tensors(result, ep)
+    layers = [LayerProfile("base", 1, whole(_costs_of(groups.pop(None, []))), dense_params=params.get(None, (0, 0))[0],
+                           tensors=tensors.get(None, ()), tail=tensors.get(-1, ()))]
     for idx in sorted(groups):
         pairs = groups[idx]
         rows, hidden_b, weights = _moe_bytes(pairs)
         dp, xp = params.get(idx, (0.0, 0.0))
         layers.append(LayerProfile("moe" if rows else "dense", 1, whole(_costs_of(pairs)), rows, hidden_b, dp, xp * ep,
-                                   row_weight_bytes=weights))
+                                   row_weight_bytes=weights, tensors=tensors.get(idx, ()), first=idx))
     layers[0].hidden_bytes = max((lp.hidden_bytes for lp in layers), default=0.0)
     mem = measure_activations(result, int(micro_batch))
     layers[0].activation_bytes = mem.total  # a whole-graph figure, kept on the base
