@@ -216,7 +216,7 @@ class GradBuckets:
         return [p for b in self.buckets for p in b.params]
 
     def grad_bytes(self) -> int:
-        """Bytes this rank holds for gradients between steps: whole buckets, own ranges, reusable buffers."""
+        """Bytes this rank holds for gradients between steps: whole buckets, own ranges, gloo's exchange buffer."""
         held = [b.flat for b in self.buckets if b.flat is not None] + [b.grad for b in self.buckets if b.grad is not None]
         held += [self._scratch] if self._scratch is not None else []
         return sum(t.numel() * t.element_size() for t in held)

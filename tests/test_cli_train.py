@@ -35,6 +35,9 @@ def test_train_five_steps_on_two_ranks_then_resume_on_one(tmp_path):
     assert "summary" in text and "tokens/s" in text and "load balance" in text
     assert re.search(r"optimizer +[\d.]+ MiB of AdamW state on rank 0, sharded over the ranks", text), text
     assert re.search(r"parameters +[\d.]+ MiB on rank 0 between steps, its ranges", text), text
+    grads = re.search(r"gradients +[\d.]+ MiB on rank 0 between steps, its ranges \(parallel.shard_gradients; peak "
+                      r"in flight ([\d.]+) MiB\)", text)
+    assert grads and float(grads.group(1)) > 0, text
     assert "exported" in text and (tmp_path / "hf" / "model.safetensors").exists()  # gathered whole to export
     meta = json.loads((out / "checkpoint" / "moecompile.json").read_text())
     assert meta["step"] == 5 and meta["ep"] == 2 and meta["world_size"] == 2

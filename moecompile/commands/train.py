@@ -236,6 +236,10 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
     val = _held_out_loss(s, held_out, rank, world_size)
     summary = _summary(history, seconds, val, ckpt)
     summary["optimizer"] = _optimizer_line(s.step, world_size)
+    if s.step.buckets.grad_shards is not None:
+        summary["gradients"] = (f"{s.step.buckets.grad_bytes() / 2**20:.2f} MiB on rank 0 between steps, its ranges "
+                                f"(parallel.shard_gradients; peak in flight "
+                                f"{s.step.buckets.grad_shards.peak_bytes / 2**20:.2f} MiB)")
     if s.step.buckets.param_shards is not None:
         summary["parameters"] = (f"{s.step.param_bytes() / 2**20:.2f} MiB on rank 0 between steps, its ranges "
                                  f"(parallel.shard_parameters; peak gathered {s.step.buckets.param_shards.peak_bytes / 2**20:.2f} MiB)")
@@ -348,6 +352,8 @@ def _format_summary(s: dict[str, Any]) -> str:
     ]
     if "optimizer" in s:
         lines.insert(-1, f"  optimizer        {s['optimizer']}")
+    if "gradients" in s:
+        lines.insert(-1, f"  gradients        {s['gradients']}")
     if "parameters" in s:
         lines.insert(-1, f"  parameters       {s['parameters']}")
     if "exported" in s:
