@@ -194,8 +194,10 @@ class ParameterShards:
                     first.prepend(g)
             with gm.graph.inserting_before(first):
                 call = gm.graph.call_function(gather_bucket, (self.key, k, *[gs[0] for gs in per_param]))
+                call.meta["val"] = tuple(gs[0].meta.get("val") for gs in per_param)
                 for i, getattrs in enumerate(per_param):
                     item = gm.graph.call_function(operator.getitem, (call, i))
+                    item.meta["val"] = getattrs[0].meta.get("val")  # the parameter's: analyses read shapes here
                     for g in getattrs:
                         for u in list(g.users):
                             if u is not call:

@@ -414,6 +414,11 @@ def test_sharded_parameters_estimate_matches_what_the_training_step_keeps(batch,
     again = mc.estimate_memory(step.result, by_pass=False, bucket_mb=bucket_mb)
     assert (again.params, again.grads, again.activations) == (est.params, est.grads, est.activations)
     assert (shards.gathers, shards.peak_bytes, shards.whole) == (gathers, peak, {})
+    # and costed the same: the nodes reading a gathered parameter see its shape (they counted 0 FLOPs before)
+    from moecompile import costs
+
+    flops = [costs.graph_costs(g).flops for g in (step.result.history[-1].graph, step.result.module.graph)]
+    assert flops[0] == flops[1] > 0
 
 
 def test_sharded_parameters_after_a_forward_only_the_buckets_held_stay_alive(batch, fake_world4):
