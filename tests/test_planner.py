@@ -438,11 +438,12 @@ def test_sharded_gradients_are_the_ranks_range_plus_the_buckets_in_flight(tiny_p
 
 def test_the_planner_prices_the_buckets_in_flight_as_the_memory_estimator_does():
     """The oracle: a profile of a converted graph (every layer read as it is) prices ZeRO-2's buckets in flight
-    exactly as estimate_memory does on that graph (NCCL's form), and a config's profile (one layer traced, scaled
-    by count) lays the same model's parameters out in the same order."""
+    exactly as estimate_memory does on that graph (NCCL's form), and ZeRO-3's buckets gathered as it does too
+    (the planner takes a parameter as read where it is first read; estimate_memory follows every read), and a
+    config's profile (one layer traced, scaled by count) lays the same model's parameters out in the same order."""
     from moecompile.models import build_model
     from moecompile.planner import whole_buckets
-    from moecompile.planner.cost_model import in_flight_bytes
+    from moecompile.planner.cost_model import gathered_bytes, in_flight_bytes
     from moecompile.planner.profile import profile_result
 
     dense, (ids,) = build_model("tiny-llama", batch_size=1, seq_len=8, dtype="bfloat16")
@@ -454,6 +455,11 @@ def test_the_planner_prices_the_buckets_in_flight_as_the_memory_estimator_does()
         est = mc.estimate_memory(result, by_pass=False, dp=8, shard_optimizer=True, shard_gradients=True,
                                  backend="nccl", bucket_mb=bucket_mb)
         assert in_flight_bytes(graph, _zero2(graph, 1, bucket_mb=bucket_mb), 8) == est.in_flight_grads > 0
+        zero3 = dataclasses.replace(_zero2(graph, 1, bucket_mb=bucket_mb),
+                                    plan=_zero2(graph, 1).plan.replace(parallel={"shard_parameters": True}))
+        z3 = mc.estimate_memory(result, by_pass=False, dp=8, shard_optimizer=True, shard_gradients=True,
+                                shard_parameters=True, bucket_mb=bucket_mb)
+        assert gathered_bytes(graph, zero3, 8) == z3.in_flight_params > 0
 
 
 def _deep(profile, factor: int):
