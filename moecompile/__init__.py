@@ -24,6 +24,7 @@ from .convert import ConversionResult, convert
 from .diff import diff
 from . import visualize  # the package is callable: mc.visualize(result, "graph.html")
 from .train_step import StepMetrics, TrainStep, build_train_step
+from .adamw import AdamW
 from .export_hf import export_hf
 from .planner import plan_for
 
@@ -32,7 +33,7 @@ __all__ = [
     "PassError", "Plan", "PlanError", "Role", "TraceError", "convert", "diff", "register_pass", "register_verifier",
     "registered_passes", "trace", "visualize",
 ]
-__all__ += ["StepMetrics", "TrainStep", "build_train_step", "export_hf"]
+__all__ += ["StepMetrics", "TrainStep", "build_train_step", "export_hf", "AdamW"]
 __all__ += ["MemoryEstimate", "estimate_memory", "measure_memory"]
 __all__ += ["ExpertShard", "World", "distributed"]
 __all__ += ["plan_for"]

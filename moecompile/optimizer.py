@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from .adamw import AdamW
 from .errors import MoecompileError
 from .grad_sync import Shard
 
@@ -30,7 +31,7 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 # torch.optim classes whose update of an element reads only that element's gradient and state
 ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
     "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD", "Rprop")
-    if hasattr(torch.optim, n))
+    if hasattr(torch.optim, n)) + (AdamW,)
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""``moecompile train`` end to end: spawned ep=2 ranks train (ZeRO-3), log, checkpoint, summarise; --resume continues."""
+"""``moecompile train`` end to end: spawned ep=2 ranks train (ZeRO-3, bf16 AdamW moments), log, checkpoint, summarise;
+--resume continues."""
 
 from __future__ import annotations
 
@@ -26,14 +27,15 @@ def test_train_five_steps_on_two_ranks_then_resume_on_one(tmp_path):
     out = tmp_path / "run"
     zero3 = [f"parallel.shard_{what}=true" for what in ("optimizer", "gradients", "parameters")]
     proc = moecompile("train", "--steps", "5", *FAST, "--out", str(out), *(a for z in zero3 for a in ("--set", z)),
-                      "--export-hf", str(tmp_path / "hf"), cwd=tmp_path)
+                      "--adam-moments", "bf16", "--export-hf", str(tmp_path / "hf"), cwd=tmp_path)
     text = proc.stdout
     assert "8 experts top-2" in text and "ep=2 over 2 rank(s)" in text, text
     lines = re.findall(r"step +(\d+) +loss ([\d.]+) .* load L0 \[([\d, ]+)\]", text)
     assert [int(s) for s, _, _ in lines] == [1, 2, 3, 4, 5], text
     assert all(sum(int(v) for v in load.split(",")) == 4 * 16 * 2 for _, _, load in lines)  # global load, top-2
     assert "summary" in text and "tokens/s" in text and "load balance" in text
-    assert re.search(r"optimizer +[\d.]+ MiB of AdamW state on rank 0, sharded over the ranks", text), text
+    assert re.search(r"optimizer +[\d.]+ MiB of AdamW state \(bfloat16 moments\) on rank 0, sharded over the ranks",
+                     text), text
     assert re.search(r"parameters +[\d.]+ MiB on rank 0 between steps, its ranges", text), text
     grads = re.search(r"gradients +[\d.]+ MiB on rank 0 between steps, its ranges \(parallel.shard_gradients; peak "
                       r"in flight ([\d.]+) MiB\)", text)
@@ -45,7 +47,7 @@ def test_train_five_steps_on_two_ranks_then_resume_on_one(tmp_path):
     # the ep=2 checkpoint (ZeRO-3) resumes in one process (ep=1): two more steps, from step 5
     # ... as 2 micro-batches of 2 sequences a step (the graph traced at 2, gradients accumulated)
     proc = moecompile("train", "--steps", "7", *FAST, "--out", str(out), "--resume", "--nproc", "1",
-                      "--micro-batch", "2", cwd=tmp_path)
+                      "--micro-batch", "2", "--adam-moments", "bf16", cwd=tmp_path)
     assert "micro-batches of 2 per rank" in proc.stdout and re.search(r"steps +2 \(now at step 7\)", proc.stdout), \
         proc.stdout
     assert [int(s) for s in re.findall(r"step +(\d+) +loss", proc.stdout)] == [6, 7]

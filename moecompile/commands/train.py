@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences per forward on each rank (default: the rank's whole batch); the step "
                         "accumulates gradients over batch / ranks / N micro-batches")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (default 3e-3)")
+    p.add_argument("--adam-moments", choices=["fp32", "bf16"], default="fp32",
+                   help="AdamW's two moments in fp32 (torch.optim.AdamW) or bf16 (moecompile.AdamW, DeepSeek-V3's "
+                        "recipe: half the optimizer state; default fp32)")
     p.add_argument("--schedule", choices=["cosine", "constant"], default="cosine",
                    help="learning rate after the warm-up: cosine decay to --min-lr x lr at the last step, or "
                         "constant (default cosine)")
@@ -164,9 +167,19 @@ def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
                                 **overrides)
     result = convert(dense, plan, (ids,), world=world)
     clip = args.clip if args.clip > 0 else None
-    step = build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01),
-                            clip_grad_norm=clip, world=world)
+    step = build_train_step(result, optimizer=_adamw(args), clip_grad_norm=clip, world=world)
     return _Setup(plan, dense, result, step, world)
+
+
+def _adamw(args: argparse.Namespace) -> Any:
+    """The optimizer factory --lr and --adam-moments ask for."""
+    import torch
+
+    if args.adam_moments == "bf16":
+        from ..adamw import AdamW
+
+        return lambda ps: AdamW(ps, lr=args.lr, weight_decay=0.01, moment_dtype=torch.bfloat16)
+    return lambda ps: torch.optim.AdamW(ps, lr=args.lr, weight_decay=0.01)
 
 
 def _plan_sets_ep(args: argparse.Namespace) -> bool:
@@ -314,6 +327,8 @@ def _held_out_loss(s: _Setup, data: Any, rank: int, world_size: int, batches: in
 
 def _optimizer_line(step: Any, world_size: int) -> str:
     what = "state + fp32 masters" if step.masters else "state"
+    moments = {g.get("moment_dtype") for g in step.optimizer.param_groups} - {None}
+    what += f" ({', '.join(sorted(moments))} moments)" if moments else ""
     how = ("sharded over the ranks (parallel.shard_optimizer)" if step.sharded else
            "replicated" + ("; --set parallel.shard_optimizer=true shards it" if world_size > 1 else ""))
     return f"{step.optimizer_bytes() / 2**20:.2f} MiB of {type(step.optimizer).__name__} {what} on rank 0, {how}"
