@@ -105,6 +105,8 @@ def test_the_training_step_trains_and_resumes_bitwise_with_bf16_moments(tmp_path
     plain = step_for(lambda ps: torch.optim.AdamW(ps, lr=3e-3))
     plain(data[0])
     assert step.optimizer_bytes() * 2 == plain.optimizer_bytes()  # the moments (fp32 model: no masters)
+    estimated = mc.estimate_memory(step.result, by_pass=False, state_dtype=torch.bfloat16)
+    assert estimated.optimizer == step.optimizer_bytes()  # the estimator's state_dtype prices it
     step.save(tmp_path / "ckpt")
     continued = [step(data[i]).loss for i in range(6, 9)]
     again = step_for(lambda ps: mc.AdamW(ps, lr=3e-3))

@@ -436,6 +436,25 @@ def test_sharded_gradients_are_the_ranks_range_plus_the_buckets_in_flight(tiny_p
     assert "3 of the largest" in next(t.detail for t in estimate(big, cl, staged, 8).memory if t.name == "grads")
 
 
+def test_bf16_adam_moments_keep_4_bytes_a_parameter_less(tiny_profile):
+    """moment_bytes=2 (moecompile.AdamW in bf16): the optimizer state of every element a rank updates loses 2 x 2 B,
+    nothing else moves but the optimizer's streamed bytes; it is every plan's (plan --adam-moments bf16)."""
+    from moecompile.planner.cost_model import optimizer_params
+
+    cl = tiny_cluster(8)
+    for cand in (_zero1(tiny_profile, 2, False), _zero1(tiny_profile, 2, True), _zero2(tiny_profile, 2)):
+        fp32, bf16 = (estimate(tiny_profile, cl, dataclasses.replace(cand, moment_bytes=b), 8) for b in (4, 2))
+        assert _mem(fp32)["optimizer"] - _mem(bf16)["optimizer"] == pytest.approx(4 * optimizer_params(tiny_profile,
+                                                                                                        cand, 8))
+        assert [_mem(e)[k] for e in (fp32, bf16) for k in ("params", "grads", "activations")] == \
+            [_mem(fp32)[k] for k in ("params", "grads", "activations")] * 2
+        assert bf16.term("optimizer") < fp32.term("optimizer") and bf16.term("forward") == fp32.term("forward")
+    assert "bf16 moments" in dataclasses.replace(cand, moment_bytes=2).describe() and "moments" not in cand.describe()
+    space = dataclasses.replace(SPACE, moment_bytes=2)
+    cands, _ = enumerate_candidates(MANY, tiny_cluster(2), 2, space)
+    assert cands and all(c.moment_bytes == 2 for c in cands)
+
+
 def test_the_planner_prices_the_buckets_in_flight_as_the_memory_estimator_does():
     """The oracle: a profile of a converted graph (every layer read as it is) prices ZeRO-2's buckets in flight
     exactly as estimate_memory does on that graph (NCCL's form), and ZeRO-3's buckets gathered as it does too
@@ -534,6 +553,11 @@ def test_cli_plan_shard_gradients(tmp_path, capsys, monkeypatch, tiny_profile):
     assert "--shard-gradients on needs the sharded optimizer" in capsys.readouterr().err
     big = _deep(tiny_profile, 10000)
     only_sharding_fits(monkeypatch, capsys, args, out, big, _zero2_memory(big, 8), "zero2", "shard_gradients")
+    # --adam-moments bf16: every plan keeps bf16 moments, and the written plan says how to train it
+    monkeypatch.undo()
+    assert main(args + ["--adam-moments", "bf16"]) == 0
+    text = capsys.readouterr().out
+    assert "bf16 moments" in text and "moecompile.AdamW(ps, moment_dtype=torch.bfloat16)" in text, text
 
 
 def only_sharding_fits(monkeypatch, capsys, args: list[str], out, big, memory: float, level: str, field: str) -> None:

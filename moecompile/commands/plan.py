@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-parameters", choices=("auto", "on", "off"), default="auto",
                    help="parallel.shard_parameters (ZeRO-3 / FSDP, on top of ZeRO-2): auto tries both wherever the "
                         "gradients are sharded; on shards all three in every plan")
+    p.add_argument("--adam-moments", choices=("fp32", "bf16"), default="fp32",
+                   help="AdamW's moments in every plan: fp32 (torch.optim.AdamW) or bf16 (moecompile.AdamW, "
+                        "DeepSeek-V3's recipe: 4 bytes a parameter less optimizer state)")
     p.add_argument("--top", type=int, default=5, help="plans to show")
     p.add_argument("--explain", action="store_true", help="print every term of the best plan's estimate")
     p.add_argument("--out", default=None, help="write the best plan here (plan.yaml)")
@@ -63,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
             space = dataclasses.replace(space, shard_gradients=(grads == "on",))
         if args.shard_parameters != "auto":
             space = dataclasses.replace(space, shard_parameters=(args.shard_parameters == "on",))
+        if args.adam_moments == "bf16":
+            space = dataclasses.replace(space, moment_bytes=2)
         report = plan_for(args.model, args.cluster, gpus=args.gpus, global_batch=args.global_batch,
                           seq_len=args.seq_len, experts=experts, space=space,
                           progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
@@ -82,4 +87,7 @@ def run(args: argparse.Namespace) -> int:
         if mb < per_gpu:  # the plan holds no batch: the graph's traced batch is the micro-batch
             print(f"it trains in micro-batches of {mb} of the {per_gpu} sequences per GPU: convert with example "
                   f"inputs of {mb} and step on all {per_gpu}, the step accumulates (moecompile train --micro-batch {mb})")
+        if report.best.candidate.moment_bytes == 2:  # the optimizer is build_train_step's, not the plan's
+            print("its optimizer keeps AdamW's moments in bf16: build_train_step(..., optimizer=lambda ps: "
+                  "moecompile.AdamW(ps, moment_dtype=torch.bfloat16)) (moecompile train --adam-moments bf16)")
     return 0

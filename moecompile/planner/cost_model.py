@@ -87,6 +87,7 @@ class Candidate:
     assume_recompute: tuple[str, ...] = ()  # regions treated as recomputed though the graph has no marks
     assume_fp8: bool = False  # treat plan.fp8.modules GEMMs as FP8 though the graph has no FP8 ops
     bucket_mb: float = 25.0  # build_train_step's gradient buckets (its default); ZeRO-2 keeps a few whole
+    moment_bytes: int = 4  # per AdamW moment element: 4 (torch.optim.AdamW on fp32 masters), 2 (moecompile.AdamW bf16)
 
     @property
     def ep(self) -> int:
@@ -138,6 +139,8 @@ class Candidate:
             parts.append("recompute " + ",".join(mods))
         if p.fp8.enabled:
             parts.append(f"fp8 {p.fp8.recipe}")
+        if self.moment_bytes != 4:
+            parts.append("bf16 moments" if self.moment_bytes == 2 else f"{8 * self.moment_bytes}-bit moments")
         parts.append(f"mb={self.micro_batch}")
         return " ".join(parts)
 
@@ -418,7 +421,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
                           f"dp={dp}, experts over edp={edp}; counted exposed: how much the prefetch hides behind "
                           "compute is not measured"))
     # AdamW reads and writes the fp32 master and both states, reads the gradient, writes the parameter
-    per_param = 2 * (4 + ADAMW_STATE_BYTES) + gbytes + profile.elem_bytes
+    per_param = 2 * (4 + 2 * cand.moment_bytes) + gbytes + profile.elem_bytes
     opt_bytes = optimizer_params(profile, cand, G) * per_param
     terms.append(Term("optimizer", opt_bytes / cluster.memory_bandwidth,
                       f"AdamW streams {human(opt_bytes, 'B')} at {human(cluster.memory_bandwidth, 'B/s')}"
@@ -511,14 +514,16 @@ def per_param_bytes(profile: ModelProfile, cand: Candidate) -> tuple[float, floa
     with fp32 gradients (``grad_bytes=4``, Megatron's main_grad) the gradient is the master's own.
     """
     e = profile.elem_bytes
+    moments = 2 * cand.moment_bytes  # AdamW's two moments; the estimator's figure holds them in fp32
     if profile.state_bytes is not None and cand.grad_bytes is None:
         grad, state = profile.state_bytes
-        return grad, state, "fp32 masters, their grads and AdamW states, from the moecompile.memory_estimate estimator"
+        return grad, state - ADAMW_STATE_BYTES + moments, (
+            "fp32 masters, their grads and AdamW states, from the moecompile.memory_estimate estimator"
+            + (f", the moments in {cand.moment_bytes} B" if moments != ADAMW_STATE_BYTES else ""))
     grad = cand.grad_bytes or e
     master = 4 if e < 4 else 0
     master_grad = master if grad < 4 else 0
-    return grad, master + master_grad + ADAMW_STATE_BYTES, (f"fp32 master {master} + its grad {master_grad} + "
-                                                             f"AdamW {ADAMW_STATE_BYTES}")
+    return grad, master + master_grad + moments, f"fp32 master {master} + its grad {master_grad} + AdamW {moments}"
 
 
 def _whole_how(profile: ModelProfile, cand: Candidate, nbytes: float, fallback: int) -> str:

@@ -52,6 +52,9 @@ class SearchSpace:
     shard_gradients: tuple[bool, ...] = (False, True)
     # parallel.shard_parameters tried for each plan whose gradients are sharded
     shard_parameters: tuple[bool, ...] = (False, True)
+    # bytes per AdamW moment element of every plan (not searched: bf16 moments change the numerics, a user's
+    # choice, as DeepSeek-V3 made it): 4 torch.optim.AdamW, 2 moecompile.AdamW(moment_dtype=torch.bfloat16)
+    moment_bytes: int = 4
     notes: tuple[str, ...] = ()
 
     @classmethod
@@ -204,7 +207,8 @@ def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, spa
                     plan_s = plan
                 out.append(Candidate(plan_s, micro_batch=mb, overlap_chunks=chunks,
                                      overlap_shared=bool(chunks and ov is not None and ov.shared_expert),
-                                     overlap_backward=bool(chunks and ov is not None and ov.backward)))
+                                     overlap_backward=bool(chunks and ov is not None and ov.backward),
+                                     moment_bytes=space.moment_bytes))
     skipped += [f"{', '.join(combos)}: {why}" for why, combos in ruled_out.items()]
     return out, skipped
 
