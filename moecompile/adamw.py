@@ -57,14 +57,16 @@ class AdamW(torch.optim.Optimizer):
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
         state["step"] += 1
         grad = p.grad.float()
-        exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
+        exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)  # in place when the moments are fp32
         exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        state["exp_avg"].copy_(exp_avg)
-        state["exp_avg_sq"].copy_(exp_avg_sq)
+        for stored, computed in ((state["exp_avg"], exp_avg), (state["exp_avg_sq"], exp_avg_sq)):
+            if computed is not stored:
+                stored.copy_(computed)  # rounded to moment_dtype once
         value = p.float() if p.dtype != torch.float32 else p
         value.mul_(1 - group["lr"] * group["weight_decay"])
         step_size = group["lr"] / (1 - beta1 ** state["step"])
-        denom = (exp_avg_sq.sqrt() / (1 - beta2 ** state["step"]).sqrt()).add_(group["eps"])
-        value.sub_(exp_avg / denom * step_size)
+        # torch's denom sqrt(v / bc2) + eps, divided by the step size: then one fused addcdiv
+        denom = exp_avg_sq.sqrt().div_((1 - beta2 ** state["step"]).sqrt()).add_(group["eps"]).div_(step_size)
+        value.addcdiv_(exp_avg, denom, value=-1)
         if value is not p:
             p.copy_(value)
