@@ -51,7 +51,8 @@ class AdamW(torch.optim.Optimizer):
 
     def _update(self, p: torch.Tensor, state: dict, group: dict, beta1: float, beta2: float) -> None:
         if not state:
-            state["step"] = torch.zeros((), dtype=torch.float64, device=p.device)  # bias corrections in double, as torch's
+            # a float64 count: the bias corrections in double precision, as torch's Python floats are
+            state["step"] = torch.zeros((), dtype=torch.float64, device=p.device)
             dtype = getattr(torch, group["moment_dtype"])
             state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)

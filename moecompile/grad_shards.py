@@ -17,8 +17,9 @@ of them. The allocator is the pool: CUDA's caching allocator, or glibc keeping f
 (build_train_step's keep_host_memory). A pool of bucket buffers of our own costs memory: a buffer
 it keeps idle for a later bucket is alive, where a freed block serves any allocation, and one it
 hands to a smaller bucket is busy when the big bucket comes (the embedding, after the layers).
-The optimizer, its state and the all-gather of the parameters are ZeRO-1's. Reduce-scattering per micro-batch rounds the sum over micro-batches per rank range
-rather than per element of a whole bucket, the one difference from ZeRO-1's numbers.
+The optimizer, its state and the all-gather of the parameters are ZeRO-1's. Reduce-scattering per
+micro-batch rounds the sum over micro-batches per rank range rather than per element of a whole
+bucket, the one difference from ZeRO-1's numbers.
 """
 
 from __future__ import annotations

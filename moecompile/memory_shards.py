@@ -170,8 +170,9 @@ def sharded_state(trainable: dict[str, torch.nn.Parameter], experts: set[str], d
     ZeRO-2's whole gradient buckets in flight, ZeRO-3's whole parameter buckets gathered at most).
 
     ``grads`` (ZeRO-2): the gradients are this rank's range of each split bucket (padding included), + the most
-    whole buckets in flight at once (:func:`in_flight_peak`; ``exchange``: gloo's). ``params`` (ZeRO-3, needs ``grads``): the parameters are that range too, +
-    the most whole buckets gathered at once as the graph reads them (``reads``, see :func:`gathered_peak`).
+    whole buckets in flight at once (:func:`in_flight_peak`; ``exchange``: gloo's). ``params`` (ZeRO-3, needs
+    ``grads``): the parameters are that range too, + the most whole buckets gathered at once as the graph reads
+    them (``reads``, see :func:`gathered_peak`).
     """
     whole = sum(p.numel() * p.element_size() for p in trainable.values())
     if not grads:
