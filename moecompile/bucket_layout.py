@@ -143,6 +143,13 @@ def backward_order(named: list[tuple[str, nn.Parameter]], first_use: dict[str, i
     return sorted(named[::-1], key=lambda item: -first_use.get(item[0], -1))
 
 
+def completion_order(buckets: list[Any], first_use: dict[str, int]) -> list[Any]:
+    """Buckets (anything with ``names``) in the order backward completes them, which every rank sends them in: a
+    bucket is complete when its parameter that the forward read first has its gradient, and backward runs the
+    forward in reverse."""
+    return sorted(buckets, key=lambda b: -min(first_use.get(n, -1) for n in b.names))
+
+
 def cut_buckets(named: list[tuple[str, nn.Parameter]], expert_names: set[str],
                 bucket_mb: float) -> list[tuple[str, list[tuple[str, nn.Parameter]]]]:
     """(kind, its parameters) of each bucket: dense ones then expert ones, per dtype and device, in ``named``'s

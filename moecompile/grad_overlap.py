@@ -5,7 +5,7 @@ network idles through backward and the GPU through the sync. Here a post-accumul
 (moecompile.grad_hooks) counts the gradients backward has written into their bucket's flat buffer::
 
     backward: grad of p accumulated into its view of bucket b  ->  b complete, and every bucket before
-              it launched (all ranks launch in one order: grad_sync.completion_order)
+              it launched (all ranks launch in one order: bucket_layout.completion_order)
               ->  all-reduce b (sharded: reduce-scatter it) asynchronously; backward goes on
     sync:     launch the buckets whose parameters got no gradient, wait for all, divide by dp
 

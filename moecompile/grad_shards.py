@@ -41,7 +41,8 @@ class GradientShards:
     def __init__(self, buckets: Any, first_use: dict[str, int], in_flight: int = IN_FLIGHT,
                  exchange: bool | None = None):
         """``exchange``: every collective is gloo's blocking exchange (None: ask each bucket's group)."""
-        from .grad_sync import _is_gloo, completion_order
+        from .bucket_layout import completion_order
+        from .grad_sync import _is_gloo
 
         self.owner = buckets
         self.buckets = completion_order([b for b in buckets.buckets if b.shards > 1], first_use)  # sent in it

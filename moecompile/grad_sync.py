@@ -39,13 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .bucket_layout import backward_order, bucket_offsets, cut_buckets
+from .bucket_layout import backward_order, bucket_offsets, completion_order, cut_buckets
 from .distributed import wait_work
-
-def completion_order(buckets: list["Bucket"], first_use: dict[str, int]) -> list["Bucket"]:
-    """Buckets in the order backward completes them, which every rank sends them in: a bucket is complete when
-    its parameter that the forward read first has its gradient, and backward runs the forward in reverse."""
-    return sorted(buckets, key=lambda b: -min(first_use.get(n, -1) for n in b.names))
 
 
 def start_all_gather(b: "Bucket", flat: torch.Tensor) -> list:

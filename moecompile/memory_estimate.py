@@ -44,7 +44,7 @@ class PassMemory:
 
 @dataclasses.dataclass
 class MemoryEstimate:
-    """Bytes per rank for one training step at ``batch``; ``activations`` is the peak defined in the module doc."""
+    """Bytes per rank for one training step at ``batch``; ``activations`` is moecompile.memory's peak."""
 
     params: int
     grads: int

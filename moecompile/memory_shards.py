@@ -25,9 +25,9 @@ from .errors import MoecompileError
 from .grad_shards import GradientShards
 from .grad_sync import Bucket
 
-# Whole sharded parameter buckets the planner prices as gathered at once under ZeRO-3, where it has no graph: a
-# layer's two expert weight tensors read together (each a bucket of its own at scale) and the next bucket,
-# prefetched (param_shards.py). estimate_memory simulates the graph's reads instead (gathered_peak).
+# Whole sharded parameter buckets the planner prices as gathered at once under ZeRO-3 where it has no parameter
+# layout to simulate (pipeline stages; planner/whole_buckets.py): a layer's two expert weight tensors read together
+# (each a bucket of its own at scale) and the next bucket, prefetched (param_shards.py).
 IN_FLIGHT_PARAM_BUCKETS = 3
 
 

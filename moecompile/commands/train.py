@@ -250,7 +250,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
     summary = _summary(history, seconds, val, ckpt)
     summary["optimizer"] = _optimizer_line(s.step, world_size)
     if s.step.buckets.grad_shards is not None:
-        summary["gradients"] = (f"{s.step.buckets.grad_bytes() / 2**20:.2f} MiB on rank 0 between steps, its ranges "
+        ranges = sum(b.grad.numel() * b.grad.element_size() for b in s.step.buckets.grad_shards.buckets)
+        summary["gradients"] = (f"{ranges / 2**20:.2f} MiB on rank 0 between steps, its ranges "
                                 f"(parallel.shard_gradients; peak in flight "
                                 f"{s.step.buckets.grad_shards.peak_bytes / 2**20:.2f} MiB)")
     if s.step.buckets.param_shards is not None:
