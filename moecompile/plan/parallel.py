@@ -77,7 +77,7 @@ class ParallelConfig(Section):
     shard_gradients: bool = doc_field(
         False,
         "ZeRO-2, on top of shard_optimizer: a rank keeps the gradients of its range only. Each bucket is "
-        "reduce-scattered as soon as backward has filled it (in bucket order) and its whole buffer is reused, so "
+        "reduce-scattered as soon as backward has filled it (in bucket order) and its whole buffer freed, so "
         "a rank holds 1/d of the gradients plus the buckets in flight (estimate_memory's in_flight_grads); one "
         "reduce-scatter per micro-batch instead of one per step. Needs shard_optimizer: true.",
     )
