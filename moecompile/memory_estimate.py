@@ -24,6 +24,7 @@ from .costs import human
 from .errors import MoecompileError
 from .memory import CATEGORIES, ActivationProfile, profile_activations
 from .memory_shards import optimizer_ranks, ranged_bytes, sharded_state
+from .optimizer_offload import offloaded_share
 
 _OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
 
@@ -67,6 +68,8 @@ class MemoryEstimate:
     in_flight_grads: int = 0  # the part of ``grads`` that is ZeRO-2's whole bucket buffers in flight
     shard_parameters: bool = False  # parameters are this rank's range too, + buckets gathered (ZeRO-3)
     in_flight_params: int = 0  # the part of ``params`` that is ZeRO-3's whole parameter buckets gathered
+    offload_optimizer: float = 0.0  # the share of the optimizer's elements whose state, masters and grads are on host
+    host_optimizer: int = 0  # their host bytes (not in ``total``: the device's); see parallel.offload_optimizer
 
     @property
     def total(self) -> int:
@@ -98,6 +101,9 @@ class MemoryEstimate:
             lines.append(f"  grads include {b(self.in_flight_grads)} of whole gradient buckets in flight (ZeRO-2)")
         if self.in_flight_params:
             lines.append(f"  params include {b(self.in_flight_params)} of whole parameter buckets gathered (ZeRO-3)")
+        if self.offload_optimizer:
+            lines.append(f"  optimizer state, fp32 masters and their grads of {self.offload_optimizer:.0%} of the elements "
+                         f"in host memory: {b(self.host_optimizer)} (parallel.offload_optimizer; not in the device's)")
         return "\n".join(lines)
 
 
@@ -123,7 +129,8 @@ def example_inputs(result: Any, batch: Any = None) -> list[Any]:
 def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw", state_dtype: torch.dtype | None = None,
                     master_weights: bool | None = None, by_pass: bool = True, shard_optimizer: bool | None = None,
                     dp: int | None = None, shard_gradients: bool | None = None, bucket_mb: float = 25.0,
-                    shard_parameters: bool | None = None, backend: str | None = None) -> MemoryEstimate:
+                    shard_parameters: bool | None = None, backend: str | None = None,
+                    offload_optimizer: float | None = None) -> MemoryEstimate:
     """Per-rank memory of ``result`` (a ConversionResult) for a training step; nothing real runs.
 
     On an expert-parallel graph (``parallel.ep`` > 1, converted on this rank) every figure is this
@@ -160,6 +167,13 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
     parameters are this rank's range too, plus the whole buckets gathered (``in_flight_params``): the most
     at once as the runtime gathers them, simulated over the graph's reads (a bucket whole from its first read to
     its last, the next one prefetched; memory_shards.gathered_peak).
+
+    ``offload_optimizer`` (None: ``plan.parallel.offload_optimizer``): the share of the optimizer's elements
+    build_train_step keeps in host memory (whole tensors in parameter order, so at least that share:
+    ``offload_optimizer`` reports the share reached). Their state, fp32 masters (made for fp32 parameters
+    too) and the masters' grads leave the device figures for ``host_optimizer``, with the pinned buffers
+    their gradients and values cross in on CUDA. Under shard_optimizer the share is taken over whole
+    parameters' sizes and applied to the rank's ranges (the runtime takes it over the ranges).
     """
     if optimizer not in _OPTIMIZER_STATES:
         raise MoecompileError(f"estimate_memory: optimizer {optimizer!r} unknown; use one of {', '.join(_OPTIMIZER_STATES)}")
@@ -209,6 +223,14 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
         state_bytes = ranged(lambda p: size)
     else:
         state_bytes = ranged(lambda p: 4 if master_weights else p.element_size())
+    offload = result.plan.parallel.offload_optimizer if offload_optimizer is None else offload_optimizer
+    if not 0.0 <= offload <= 1.0:
+        raise MoecompileError(f"estimate_memory: offload_optimizer={offload!r} is a share of the optimizer's "
+                              "elements, from 0 to 1")
+    share = offloaded_share([p.numel() for p in trainable.values()], offload)
+    state_bytes *= _OPTIMIZER_STATES[optimizer]
+    host = round(share * (state_bytes + ranged(lambda p: 8 + _transfer_bytes(p))))  # + fp32 master and its grad
+    state_bytes, m_bytes = round((1 - share) * state_bytes), round((1 - share) * m_bytes)
     buf_bytes = sum(b.numel() * b.element_size() for b in gm.buffers())
     x_bytes = sum(named[n].numel() * named[n].element_size() for n in expert_parameters(gm) if n in named)
     by_layer: dict[str, dict[str, int]] = {}
@@ -222,14 +244,21 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
             history.append(_pass_memory(rec, gm, inputs, ep))
     tokens = next((t.numel() for t in inputs if isinstance(t, torch.Tensor) and not t.is_floating_point()), 0)
     return MemoryEstimate(
-        params=p_bytes, grads=g_bytes + in_flight + m_bytes, optimizer=_OPTIMIZER_STATES[optimizer] * state_bytes,
+        params=p_bytes, grads=g_bytes + in_flight + m_bytes, optimizer=state_bytes,
         buffers=buf_bytes,
         activations=profile.device_bytes, offloaded=profile.host_bytes, by_category=profile.split("category"),
         by_layer=dict(sorted(by_layer.items(), key=lambda kv: _layer_order(kv[0]))), by_pass=history,
         tokens=tokens, profile=profile, masters=m_bytes, expert_params=x_bytes, master_grads=m_bytes,
         shard_optimizer=shard, dp=dp, edp=edp, shard_gradients=bool(shard_gradients), in_flight_grads=in_flight,
-        shard_parameters=bool(shard_parameters), in_flight_params=gathered,
+        shard_parameters=bool(shard_parameters), in_flight_params=gathered, offload_optimizer=share,
+        host_optimizer=host,
     )
+
+
+def _transfer_bytes(p: torch.nn.Parameter) -> int:
+    """Pinned host bytes an offloaded element of ``p`` crosses PCIe through (optimizer_offload.to_host): its
+    gradient down and its value up, in ``p``'s dtype, where that is not the fp32 master's own; none on CPU."""
+    return 2 * p.element_size() if p.is_cuda and p.element_size() < 4 else 0
 
 
 def _backend(backend: str | None, trainable: dict[str, torch.nn.Parameter]) -> str:

@@ -109,7 +109,7 @@ def _part_of(value: object, u: Update) -> object:
     if not isinstance(value, torch.Tensor) or value.shape != u.shard.param.shape:
         return value.clone() if isinstance(value, torch.Tensor) else value
     part = value.reshape(-1)[u.shard.lo : u.shard.hi]
-    return part.to(u.tensor.dtype).clone().view(u.tensor.shape)
+    return part.to(device=u.tensor.device, dtype=u.tensor.dtype).clone().view(u.tensor.shape)
 
 
 def _checked(optimizer: object) -> torch.optim.Optimizer:

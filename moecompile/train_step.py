@@ -46,12 +46,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from . import grad_hooks, host_memory, param_gathers, param_shards
+from . import grad_hooks, host_memory, optimizer_offload, param_gathers, param_shards
 from .distributed import wait_work
 from .errors import MoecompileError
 from .bucket_layout import expert_parameters, first_reads, moe_blocks
 from .grad_sync import GradBuckets
-from .optimizer import OptimizerFactory, build_optimizer, updates_for
+from .optimizer import OptimizerFactory, build_optimizer
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,9 @@ class TrainStep:
         # bf16 parameters train through fp32 master copies; fp32 ones are their own masters
         masters = any(p.dtype != torch.float32 for p in self.trainable.values())
         order = {name: i for i, name in enumerate(self.trainable)}
-        self.updates = updates_for(sorted(self.buckets.shards(), key=lambda s: order[s.name]), masters)
+        # parallel.offload_optimizer: the leading share of them in host memory, stepped by the CPU
+        self.updates = optimizer_offload.updates_for(sorted(self.buckets.shards(), key=lambda s: order[s.name]),
+                                                     masters, self.plan.parallel.offload_optimizer, self.device)
         self.masters: dict[str, nn.Parameter] = {u.shard.name: u.tensor for u in self.updates} if masters else {}
         self.optimizer = build_optimizer(optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
                                          list(self.trainable.values()), self.updates, self.sharded)
@@ -167,6 +169,10 @@ class TrainStep:
         from .cuda_graphs import make_runner
 
         mode = cuda_graph if cuda_graph is not None else self.plan.cuda_graph.mode
+        if mode == "full" and self.device.type == "cuda" and self.plan.parallel.offload_optimizer > 0:
+            raise MoecompileError("cuda_graph='full' records the optimizer step too, but parallel.offload_optimizer "
+                                  "runs part of it on the CPU, which a CUDA graph cannot record; use "
+                                  "cuda_graph='partial' (the optimizer runs eagerly) or offload_optimizer: 0")
         if mode != "none" and self.device.type == "cuda":
             for option, python in (("shard_parameters", self.buckets.param_shards),
                                    ("overlap_param_gather", self.buckets.param_gathers)):
@@ -222,9 +228,7 @@ class TrainStep:
             self.buckets.after_backward()
         self.buckets.sync()
         norm = self.buckets.clip_(self.clip_grad_norm) if self.clip_grad_norm is not None else None
-        for u in self.updates:
-            u.load_grad()
-        self.optimizer.step()
+        optimizer_offload.step(self.optimizer, self.updates, self.device)
         self.write_back()
         if handle is not None:
             wait_work(handle, "collective", "the step's metrics all-reduce", self.world.dp_group)
@@ -336,11 +340,23 @@ class TrainStep:
         )
 
     def optimizer_bytes(self) -> int:
-        """Bytes this rank keeps for the optimizer: its state tensors (built by the first step) and fp32 masters."""
-        state = {id(t): t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
+        """Bytes this rank keeps for the optimizer on its device: the state tensors (built by the first step) and
+        fp32 masters of the updates not offloaded (``host_optimizer_bytes`` has the others)."""
+        kept = [u for u in self.updates if not isinstance(u, optimizer_offload.HostUpdate)]
+        masters = sum(u.tensor.numel() * u.tensor.element_size() for u in kept if u.is_copy)
+        return self._state_bytes(kept) + masters
+
+    def host_optimizer_bytes(self) -> int:
+        """Host bytes of the offloaded updates (``parallel.offload_optimizer``): their fp32 masters, the masters'
+        gradients, the pinned transfer buffers and the optimizer state (built by the first step)."""
+        host = [u for u in self.updates if isinstance(u, optimizer_offload.HostUpdate)]
+        return self._state_bytes(host) + sum(u.nbytes() for u in host)
+
+    def _state_bytes(self, updates: list[Any]) -> int:
+        state = {id(t): t.numel() * t.element_size()
+                 for u in updates for t in self.optimizer.state.get(u.tensor, {}).values()
                  if isinstance(t, torch.Tensor) and t.dim() > 0}
-        masters = {id(u.tensor): u.tensor.numel() * u.tensor.element_size() for u in self.updates if u.is_copy}
-        return sum(state.values()) + sum(masters.values())
+        return sum(state.values())
 
     # ------------------------------------------------------------------ state
 

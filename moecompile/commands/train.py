@@ -332,7 +332,13 @@ def _optimizer_line(step: Any, world_size: int) -> str:
     what += f" ({', '.join(sorted(moments))} moments)" if moments else ""
     how = ("sharded over the ranks (parallel.shard_optimizer)" if step.sharded else
            "replicated" + ("; --set parallel.shard_optimizer=true shards it" if world_size > 1 else ""))
-    return f"{step.optimizer_bytes() / 2**20:.2f} MiB of {type(step.optimizer).__name__} {what} on rank 0, {how}"
+    line = f"{step.optimizer_bytes() / 2**20:.2f} MiB of {type(step.optimizer).__name__} {what} on rank 0, {how}"
+    host = step.host_optimizer_bytes()
+    if host:
+        share = step.plan.parallel.offload_optimizer
+        line += (f"; {host / 2**20:.2f} MiB more in host memory, stepped by the CPU (parallel.offload_optimizer="
+                 f"{share:g}: masters, their grads and state" + (", all fp32" if not step.masters else "") + ")")
+    return line
 
 
 def _summary(history: list[Any], seconds: float, val: float, ckpt: Path) -> dict[str, Any]:

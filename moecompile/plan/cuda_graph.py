@@ -53,6 +53,13 @@ class CudaGraphConfig(Section):
                 "all-gather running past the end of the step and waits for it in the next one, from Python a replay "
                 "does not run. Set cuda_graph.mode: none, or parallel.overlap_param_gather: false",
             )
+        if self.mode == "full" and getattr(parallel, "offload_optimizer", 0.0) > 0:
+            self.fail(
+                "mode",
+                "'full' captures the optimizer step too, but parallel.offload_optimizer runs part of it on the CPU, "
+                "which a CUDA graph cannot record. Set cuda_graph.mode: partial (the optimizer runs eagerly), or "
+                "parallel.offload_optimizer: 0",
+            )
         if self.mode == "full" and getattr(parallel, "dispatch_mode", None) != "static":
             self.fail(
                 "mode",

@@ -97,6 +97,16 @@ class ParallelConfig(Section):
         "wait first (state_dict, step.save / load, step.gathered(), export). Needs shard_optimizer: true, and "
         "cuda_graph.mode: none; shard_parameters gathers where the graph reads already.",
     )
+    offload_optimizer: float = doc_field(
+        0.0,
+        "Share of this rank's optimizer work kept in host memory and run by the CPU (ZeRO-Offload; Megatron-Core's "
+        "optimizer_cpu_offload with optimizer_offload_fraction): the fp32 masters, their gradients and the optimizer "
+        "state of the first tensors (in parameter order) until that share of the elements is reached. Each step "
+        "their reduced gradients go to the host, the device part of the optimizer steps while the host part runs, "
+        "and the new values come back. 0: none; 1: all. The same arithmetic as on the device; with "
+        "shard_optimizer it is this rank's range that moves. Needs cuda_graph.mode other than full (a host "
+        "step is not captured).",
+    )
     timeout_s: float = doc_field(
         300.0,
         "Seconds a collective waits for its peers before failing with a DistributedError that names it "
@@ -110,6 +120,9 @@ class ParallelConfig(Section):
             self.fail("capacity_factor", "must be > 0, or null to use experts.capacity_factor")
         if self.timeout_s <= 0:
             self.fail("timeout_s", "must be > 0 seconds")
+        if not 0.0 <= self.offload_optimizer <= 1.0:
+            self.fail("offload_optimizer", "is the share of the optimizer's elements kept on the host: a number "
+                      "from 0 (none) to 1 (all)")
         if self.shard_gradients and not self.shard_optimizer:
             self.fail("shard_gradients", "shards the gradients of the ranges shard_optimizer gives each rank: set "
                       "parallel.shard_optimizer: true as well")

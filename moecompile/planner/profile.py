@@ -387,7 +387,7 @@ def measure_activations(result: Any, micro_batch: int) -> Memory:
                       "moecompile.costs activation_bytes (moecompile.memory_estimate not available)", None)
     try:
         est = estimate_memory(result, batch=micro_batch, by_pass=False, shard_optimizer=False,  # per element, whole
-                              shard_gradients=False)
+                              shard_gradients=False, offload_optimizer=0.0)  # on the device
     except MoecompileError as e:  # e.g. a graph whose shapes depend on the data (expert parallelism)
         c = costs.graph_costs(result.history[-1].graph)
         return Memory(float(c.activation_bytes), None, f"moecompile.costs activation_bytes (the memory estimator "

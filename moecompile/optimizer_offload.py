@@ -1,0 +1,154 @@
+"""Part of the optimizer in host memory, stepped by the CPU (``parallel.offload_optimizer``; ZeRO-Offload).
+
+The memory wall's largest per-parameter term is the optimizer's: AdamW's two fp32 moments plus,
+for a bf16 model, the fp32 master and its gradient, 16 bytes an element against the weight's 2.
+Offloading keeps that for a share of the elements in host memory, where there is far more of it
+(a DGX H100 has 256 GB of DRAM per GPU), and pays PCIe traffic (the gradient down, the new
+values up, in the model's dtype) and a CPU update. The step runs, as Megatron-Core's
+HybridDeviceOptimizer and DeepSpeed's ZeRO-Offload do:
+
+    reduced gradients of the host part -> host (asynchronous, pinned buffers)
+    device part of the optimizer: its kernels are queued   } the two run side by side
+    wait for the gradients; host part of the optimizer     }
+    new values -> device (asynchronous; the next forward's kernels queue behind them)
+
+One optimizer holds both parts (its state, param groups, checkpoints and schedulers are the
+user's, unchanged); each part is a ``step()`` over its own tensors, so torch picks each device's
+best implementation (foreach on CUDA; ``fused=True`` in the factory gives the CPU one too). The
+host part is the first tensors in parameter order up to the plan's share of the elements
+(:func:`offloaded_count`), whole tensors, so the share reached is at least the one asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from .grad_sync import Shard
+from .optimizer import Update
+from .optimizer import updates_for as on_device
+
+
+def offloaded_count(sizes: list[int], fraction: float) -> int:
+    """How many of the leading tensors (of ``sizes`` elements) hold ``fraction`` of all elements: the fewest that
+    reach it (0 for 0, all for 1)."""
+    if fraction <= 0:
+        return 0
+    target, total = fraction * sum(sizes), 0
+    for i, n in enumerate(sizes):
+        if total >= target:
+            return i
+        total += n
+    return len(sizes)
+
+
+def offloaded_share(sizes: list[int], fraction: float) -> float:
+    """The share of the elements :func:`offloaded_count` moves (at least ``fraction``: whole tensors move)."""
+    total = sum(sizes)
+    return sum(sizes[: offloaded_count(sizes, fraction)]) / total if total else 0.0
+
+
+@dataclasses.dataclass
+class HostUpdate(Update):
+    """An update whose fp32 master, gradient and optimizer state live in host memory.
+
+    ``grad_in`` receives the reduced gradient from the device (pinned, in the gradient's dtype)
+    where that is not already the master's fp32 gradient; ``values_out`` is the new values in the
+    parameter's dtype on their way up. Both are None on a CPU device, where host and device are one.
+    """
+
+    grad_in: torch.Tensor | None = None
+    values_out: torch.Tensor | None = None
+
+    def load_grad(self) -> None:
+        """Start the gradient's copy to the host (asynchronous on CUDA: :func:`step` waits for it)."""
+        grad = self.shard.grad.detach()
+        (self.grad_in if self.grad_in is not None else self.tensor.grad).copy_(grad, non_blocking=True)
+
+    def grad_arrived(self) -> None:
+        """The copy is done: the master's fp32 gradient from the received one."""
+        if self.grad_in is not None:
+            self.tensor.grad.copy_(self.grad_in)
+
+    def write_back(self) -> None:
+        """The master's new values into the parameter (asynchronous on CUDA, from pinned memory)."""
+        with torch.no_grad():
+            values = self.shard.values()
+            if self.values_out is not None:
+                self.values_out.copy_(self.tensor)
+                values.copy_(self.values_out, non_blocking=True)
+            else:
+                values.copy_(self.tensor, non_blocking=True)
+
+    def nbytes(self) -> int:
+        """Host bytes of the master, its gradient and the transfer buffers (the optimizer's state not included)."""
+        held = [self.tensor, self.tensor.grad, self.grad_in, self.values_out]
+        return sum(t.numel() * t.element_size() for t in held if t is not None)
+
+
+def to_host(shard: Shard, device: torch.device) -> HostUpdate:
+    """An fp32 master of ``shard``'s values and its gradient, in host memory (pinned for a CUDA device)."""
+    pin = device.type == "cuda"
+    values = shard.values().detach()
+    dtype = torch.promote_types(values.dtype, torch.float32)
+
+    def host(dt: torch.dtype) -> torch.Tensor:
+        return torch.empty(values.shape, dtype=dt, device="cpu", pin_memory=pin)
+
+    master = nn.Parameter(host(dtype))
+    with torch.no_grad():
+        master.copy_(values)
+    master.grad = host(dtype)
+    grad_dtype = shard.grad.dtype
+    return HostUpdate(shard, master, True,
+                      grad_in=host(grad_dtype) if pin and grad_dtype != dtype else None,
+                      values_out=host(values.dtype) if pin and values.dtype != dtype else None)
+
+
+def updates_for(shards: list[Shard], masters: bool, fraction: float, device: torch.device) -> list[Update]:
+    """What the optimizer updates for each shard (moecompile.optimizer.updates_for), the leading ones holding
+    ``fraction`` of the elements in host memory."""
+    n = offloaded_count([s.hi - s.lo for s in shards], fraction)
+    return [to_host(s, device) for s in shards[:n]] + on_device(shards[n:], masters)
+
+
+@contextlib.contextmanager
+def _only(optimizer: torch.optim.Optimizer, keep: Callable[[torch.Tensor], bool]) -> Iterator[bool]:
+    """The optimizer's groups holding only the tensors ``keep`` accepts; yields whether any is left."""
+    groups = optimizer.param_groups
+    saved = [g["params"] for g in groups]
+    try:
+        for g, params in zip(groups, saved):
+            g["params"] = [p for p in params if keep(p)]
+        yield any(g["params"] for g in groups)
+    finally:
+        for g, params in zip(groups, saved):
+            g["params"] = params
+
+
+def step(optimizer: torch.optim.Optimizer, updates: list[Update], device: torch.device) -> None:
+    """Hand the reduced gradients to the optimizer and step it: the device part while the host part runs."""
+    for u in updates:
+        u.load_grad()
+    host = [u for u in updates if isinstance(u, HostUpdate)]
+    if not host:
+        optimizer.step()
+        return
+    arrived = None
+    if device.type == "cuda":
+        arrived = torch.cuda.Event()
+        arrived.record()
+    on_host = {id(u.tensor) for u in host}
+    with _only(optimizer, lambda p: id(p) not in on_host) as any_left:
+        if any_left:
+            optimizer.step()  # queued on the device; runs while the host part below does
+    if arrived is not None:
+        arrived.synchronize()
+    for u in host:
+        u.grad_arrived()
+    with _only(optimizer, lambda p: id(p) in on_host):
+        optimizer.step()

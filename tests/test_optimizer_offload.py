@@ -1,0 +1,170 @@
+"""parallel.offload_optimizer: a share of the optimizer in host memory, stepped by the CPU.
+
+The oracle is the same step without offload: the arithmetic is the same (fp32 masters, the same
+optimizer), so on CPU every loss and parameter must match bit for bit, single-process and sharded
+over 2 ranks, and a checkpoint must move between offloaded and not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import moecompile as mc
+from moecompile.data import ByteBatches, stdlib_bytes
+from moecompile.models import build_model
+from moecompile.optimizer_offload import HostUpdate, offloaded_count, offloaded_share
+
+BATCH, SEQ, STEPS = 4, 16, 3
+
+
+@pytest.fixture(scope="module")
+def data() -> ByteBatches:
+    return ByteBatches(stdlib_bytes(300_000), BATCH, SEQ, seed=0)
+
+
+def grouped_adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    vectors = [p for p in params if p.dim() < 2]
+    matrices = [p for p in params if p.dim() >= 2]
+    return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+                             lr=3e-3)
+
+
+def make_step(offload: float, dtype: str | None = None, **options) -> tuple[mc.ConversionResult, mc.TrainStep]:
+    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=BATCH, seq_len=SEQ, dtype=dtype)
+    plan = {"experts": {"num_experts": 4, "top_k": 2, "z_loss_coeff": 1e-3}, "parallel": {"offload_optimizer": offload}}
+    result = mc.convert(dense, plan, (ids,))
+    return result, mc.build_train_step(result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.01, **options)
+
+
+def train(step: mc.TrainStep, data: ByteBatches, first: int, count: int) -> list[float]:
+    return [step(data[i]).loss for i in range(first, first + count)]
+
+
+def params(result: mc.ConversionResult) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in result.module.named_parameters()}
+
+
+@given(st.lists(st.integers(1, 1000), min_size=1, max_size=30), st.floats(0, 1))
+def test_the_host_share_is_the_fewest_leading_tensors_that_reach_it(sizes, fraction):
+    n = offloaded_count(sizes, fraction)
+    assert sum(sizes[:n]) >= fraction * sum(sizes) - 1e-6 * sum(sizes)  # reached
+    assert n == 0 or sum(sizes[: n - 1]) < fraction * sum(sizes)  # with no tensor to spare
+    assert offloaded_share(sizes, fraction) >= fraction - 1e-9
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+@pytest.mark.parametrize("offload", [0.3, 1.0])
+def test_offloaded_steps_equal_the_device_steps_bitwise(data, dtype, offload):
+    plain_result, plain = make_step(0.0, dtype)
+    result, step = make_step(offload, dtype)
+    host = [u for u in step.updates if isinstance(u, HostUpdate)]
+    assert 0 < len(host) <= len(step.updates) and (len(host) == len(step.updates)) == (offload == 1.0)
+    for u in host:  # an fp32 master of its own, even where the parameter is fp32, with an fp32 gradient
+        assert u.tensor is not u.shard.param and u.tensor.dtype == torch.float32 and u.tensor.grad is not None
+    assert train(step, data, 0, STEPS) == train(plain, data, 0, STEPS)
+    got, want = params(result), params(plain_result)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    # the offloaded elements' state, masters and master grads left the device's figure for the host's
+    assert step.optimizer_bytes() < plain.optimizer_bytes()
+    per_element = 8 + 4 + 4  # two fp32 moments, the master, its gradient
+    assert step.host_optimizer_bytes() == per_element * sum(u.tensor.numel() for u in host)
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_the_estimator_prices_what_the_runtime_keeps_on_each_side(data, dtype):
+    result, step = make_step(0.3, dtype)
+    train(step, data, 0, 1)  # the optimizer's state exists after a step
+    est = mc.estimate_memory(result, by_pass=False)
+    host = [u for u in step.updates if isinstance(u, HostUpdate)]
+    assert est.offload_optimizer == sum(u.tensor.numel() for u in host) / sum(u.tensor.numel() for u in step.updates)
+    assert est.host_optimizer == step.host_optimizer_bytes() > 0
+    assert est.optimizer + est.masters == step.optimizer_bytes()
+    device_master_grads = sum(u.tensor.grad.numel() * 4 for u in step.updates if u.is_copy and u not in host)
+    assert est.master_grads == device_master_grads
+    whole = mc.estimate_memory(result, by_pass=False, offload_optimizer=0.0)
+    assert est.total < whole.total and est.host_optimizer >= (whole.optimizer + whole.masters) * 0.3
+    assert "in host memory" in est.table()
+
+
+def test_a_checkpoint_moves_between_offloaded_and_device_steps(data, tmp_path):
+    _, step = make_step(0.5)
+    train(step, data, 0, STEPS)
+    step.save(tmp_path / "offloaded")
+    continued = train(step, data, STEPS, STEPS)
+    _, device = make_step(0.0)
+    device.load(tmp_path / "offloaded")
+    assert train(device, data, STEPS, STEPS) == continued  # and back: a device checkpoint into an offloaded step
+    _, plain = make_step(0.0)
+    train(plain, data, 0, STEPS)
+    plain.save(tmp_path / "device")
+    _, offloaded = make_step(1.0)
+    offloaded.load(tmp_path / "device")
+    assert train(offloaded, data, STEPS, STEPS) == train(plain, data, STEPS, STEPS)
+
+
+def test_a_share_outside_0_to_1_or_a_full_capture_is_a_plan_error():
+    with pytest.raises(mc.PlanError, match="offload_optimizer.*from 0 .none. to 1 .all."):
+        mc.Plan(parallel={"offload_optimizer": 1.5})
+    with pytest.raises(mc.PlanError, match="cuda_graph.mode.*offload_optimizer runs part of it on the CPU"):
+        mc.Plan(parallel={"offload_optimizer": 0.5, "dispatch_mode": "static", "capacity_factor": 1.25},
+                cuda_graph={"mode": "full"})
+    mc.Plan(parallel={"offload_optimizer": 0.5}, cuda_graph={"mode": "partial"})  # the optimizer runs eagerly there
+
+
+def offload_worker(rank: int, world_size: int) -> dict:
+    """Two ranks, sharded (ZeRO-2 at ep=2 in bf16, ZeRO-3 at ep=1): each setting with and without offload."""
+    from _shard_scenario import STEPS as N
+    from _shard_scenario import _train, _whole_params, make_step as sharded_step
+
+    out = {}
+    for name, ep, dtype, extra in (("ep2_zero2_bf16", 2, "bfloat16", {"shard_gradients": True}),
+                                   ("dp2_zero3", 1, None, {"shard_gradients": True, "shard_parameters": True})):
+        runs = {}
+        for offload in (0.0, 0.6):
+            result, step = sharded_step(world_size, ep, True, dtype, offload_optimizer=offload, **extra)
+            runs[offload] = {"losses": [m["loss"] for m in _train(step, rank, world_size, 0, N)],
+                             "params": _whole_params(step, result), "device": step.optimizer_bytes(),
+                             "host": step.host_optimizer_bytes(),
+                             "estimate": mc.estimate_memory(result, by_pass=False, bucket_mb=0.05).host_optimizer}
+        out[name] = runs
+    return out
+
+
+@pytest.mark.distributed
+def test_two_sharded_ranks_offload_their_ranges_and_train_the_same():
+    from _spawn import run
+
+    for r in run(offload_worker, 2, timeout=300):
+        for name, runs in r.items():
+            plain, offloaded = runs[0.0], runs[0.6]
+            assert offloaded["losses"] == plain["losses"], name
+            assert all(torch.equal(offloaded["params"][n], p) for n, p in plain["params"].items()), name
+            assert offloaded["device"] < plain["device"] and plain["host"] == 0 < offloaded["host"], name
+            # the estimator takes the share over whole parameters, the runtime over this rank's ranges
+            assert offloaded["estimate"] == pytest.approx(offloaded["host"], rel=0.35), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_host_part_is_pinned_and_trains_as_the_device_does(data):
+    def on_cuda(offload: float) -> tuple[mc.ConversionResult, mc.TrainStep]:
+        dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=BATCH, seq_len=SEQ, dtype="bfloat16")
+        dense = dense.cuda()
+        plan = {"experts": {"num_experts": 4, "top_k": 2}, "parallel": {"offload_optimizer": offload}}
+        result = mc.convert(dense, plan, (ids.cuda(),))
+        return result, mc.build_train_step(result, optimizer=grouped_adamw, bucket_mb=0.01)
+
+    (r0, plain), (r1, step) = on_cuda(0.0), on_cuda(0.5)
+    host = [u for u in step.updates if isinstance(u, HostUpdate)]
+    assert host and all(u.tensor.device.type == "cpu" and u.tensor.is_pinned() and u.grad_in.is_pinned()
+                        and u.values_out.is_pinned() for u in host)
+    for i in range(STEPS):
+        x, y = (t.cuda() for t in data[i])
+        a, b = plain(x, y), step(x, y)
+        assert b.loss == pytest.approx(a.loss, rel=1e-3)  # CPU and CUDA AdamW round differently
+    for (n, p), q in zip(r0.module.named_parameters(), r1.module.parameters()):
+        torch.testing.assert_close(q.float(), p.float(), rtol=2e-2, atol=2e-3, msg=n)
+    assert all(s["exp_avg"].device.type == "cpu" for u in host for s in [step.optimizer.state[u.tensor]])
