@@ -18,8 +18,9 @@ from moecompile.planner import (Candidate, Cluster, Link, SearchSpace, enumerate
 
 TINY = {"num_experts": 8, "top_k": 2}
 MANY = {"num_experts": 64, "top_k": 2}  # experts dominate the tiny model's parameters
+# offload_optimizer off: these tests price what fits on the GPU alone (tests/test_planner_offload.py gives it)
 EVERYTHING = SearchSpace(expert_parallel=True, recompute_sets=((), ("moe_act",)), fp8_recipes=("none", "blockwise"),
-                         micro_batches=(1, 2, 4))
+                         micro_batches=(1, 2, 4), offload_optimizer=False)
 
 
 def tiny_cluster(gpus: int, gpus_per_node: int = 8, memory_gb: float = 80.0) -> Cluster:
@@ -34,7 +35,7 @@ def tiny_profile():
 # --- the enumerator never returns an illegal plan --------------------------------------------------
 
 
-SPACE = SearchSpace(expert_parallel=True, micro_batches=(1, 2, 4))
+SPACE = SearchSpace(expert_parallel=True, micro_batches=(1, 2, 4), offload_optimizer=False)
 
 
 @settings(max_examples=40, deadline=None)
@@ -367,7 +368,8 @@ def test_cli_plan_writes_shard_optimizer_when_it_is_what_fits(tmp_path, capsys, 
     monkeypatch.setattr(planner, "preset", lambda name, gpus=None: tiny_cluster(gpus, memory_gb=memory / 1e9))
     out = tmp_path / "p.yaml"
     args = ["plan", "--model", "tiny-llama", "--experts", '{"num_experts": 64, "top_k": 2}', "--gpus", "8",
-            "--global-batch", "8", "--seq-len", "8", "--micro-batches", "1", "--fp8", "none", "--out", str(out)]
+            "--global-batch", "8", "--seq-len", "8", "--micro-batches", "1", "--fp8", "none", "--offload-optimizer", "off",
+            "--out", str(out)]
     rc = main(args)
     text = capsys.readouterr().out
     assert rc == 0 and "zero1" in text
@@ -543,7 +545,8 @@ def test_cli_plan_shard_gradients(tmp_path, capsys, monkeypatch, tiny_profile):
 
     out = tmp_path / "p.yaml"
     args = ["plan", "--model", "tiny-llama", "--experts", '{"num_experts": 64, "top_k": 2}', "--gpus", "8",
-            "--global-batch", "8", "--seq-len", "8", "--micro-batches", "1", "--fp8", "none", "--out", str(out)]
+            "--global-batch", "8", "--seq-len", "8", "--micro-batches", "1", "--fp8", "none", "--offload-optimizer", "off",
+            "--out", str(out)]
     assert main(args + ["--shard-gradients", "on"]) == 0
     assert "zero2" in capsys.readouterr().out and "zero1" not in out.read_text()
     loaded = mc.Plan.from_file(out)

@@ -15,7 +15,7 @@ from moecompile.planner.search import TIE, _rank_key
 
 from test_planner import MANY, _deep, only_sharding_fits, tiny_cluster, tiny_profile  # noqa: F401 (a fixture)
 
-SPACE = SearchSpace(expert_parallel=True, micro_batches=(1,))
+SPACE = SearchSpace(expert_parallel=True, micro_batches=(1,), offload_optimizer=False)
 
 
 def _zero(profile, ep: int, level: int, **kw) -> Candidate:
@@ -145,7 +145,8 @@ def test_cli_plan_shard_parameters(tmp_path, capsys, monkeypatch, tiny_profile):
 
     out = tmp_path / "p.yaml"
     args = ["plan", "--model", "tiny-llama", "--experts", '{"num_experts": 64, "top_k": 2}', "--gpus", "8",
-            "--global-batch", "8", "--seq-len", "8", "--micro-batches", "1", "--fp8", "none", "--out", str(out)]
+            "--global-batch", "8", "--seq-len", "8", "--micro-batches", "1", "--fp8", "none", "--offload-optimizer", "off",
+            "--out", str(out)]
     monkeypatch.setattr(planner, "profile_config", lambda *a, **k: tiny_profile)
     assert main(args + ["--shard-parameters", "on"]) == 0
     assert "zero3" in capsys.readouterr().out

@@ -37,6 +37,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adam-moments", choices=("fp32", "bf16"), default="fp32",
                    help="AdamW's moments in every plan: fp32 (torch.optim.AdamW) or bf16 (moecompile.AdamW, "
                         "DeepSeek-V3's recipe: 4 bytes a parameter less optimizer state)")
+    p.add_argument("--offload-optimizer", choices=("auto", "off"), default="auto",
+                   help="parallel.offload_optimizer: auto gives a plan that does not fit otherwise the least share "
+                        "of its optimizer in host memory that makes it fit (slower: PCIe and a CPU update); off "
+                        "keeps every plan's optimizer on the GPU")
     p.add_argument("--top", type=int, default=5, help="plans to show")
     p.add_argument("--explain", action="store_true", help="print every term of the best plan's estimate")
     p.add_argument("--out", default=None, help="write the best plan here (plan.yaml)")
@@ -68,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
             space = dataclasses.replace(space, shard_parameters=(args.shard_parameters == "on",))
         if args.adam_moments == "bf16":
             space = dataclasses.replace(space, moment_bytes=2)
+        if args.offload_optimizer == "off":
+            space = dataclasses.replace(space, offload_optimizer=False)
         report = plan_for(args.model, args.cluster, gpus=args.gpus, global_batch=args.global_batch,
                           seq_len=args.seq_len, experts=experts, space=space,
                           progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))

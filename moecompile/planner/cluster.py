@@ -31,6 +31,12 @@ GB = 10**9
 SPEC_GEMM_EFFICIENCY = 0.6
 SPEC_HBM_EFFICIENCY = 0.8
 SPEC_LINK_EFFICIENCY = 0.8
+# - Host (parallel.offload_optimizer): a fused CPU AdamW (torch's fused=True, DeepSpeed's CPUAdam) streams
+#   its bytes at about half of the sockets' DRAM bandwidth once every core is busy; we take 0.5. Transfers
+#   over PCIe take the link efficiency. 0.8 of the host memory per GPU is usable: the rest is the OS, the
+#   data loader and the processes' own memory.
+SPEC_HOST_EFFICIENCY = 0.5
+SPEC_HOST_USABLE_FRACTION = 0.8
 
 Span = Literal["local", "intra", "inter"]
 
@@ -61,13 +67,20 @@ class Cluster:
     link_efficiency: float = SPEC_LINK_EFFICIENCY
     op_overhead_s: float = 0.0  # host time per op (kernel launch / eager dispatch); 0: hidden by async GPUs
     usable_memory_fraction: float = 0.9  # the rest goes to the CUDA context, NCCL buffers, fragmentation
+    # the host side, for parallel.offload_optimizer (0 host memory: nothing to offload to, e.g. a CPU "cluster")
+    host_memory_bytes: float = 0.0  # per GPU: the node's DRAM / its GPUs
+    host_bandwidth: float = 0.0  # per GPU: the node's DRAM bandwidth / its GPUs, bytes/s
+    pcie_bandwidth: float = 0.0  # per GPU and direction, bytes/s (GB200: NVLink-C2C)
+    host_efficiency: float = SPEC_HOST_EFFICIENCY
+    host_usable_fraction: float = SPEC_HOST_USABLE_FRACTION
     source: str = ""  # where the figures come from
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
             raise MoecompileError(f"cluster {self.name!r}: gpus ({self.gpus}) and gpus_per_node "
                                   f"({self.gpus_per_node}) must be >= 1")
-        for f in ("gemm_efficiency", "hbm_efficiency", "link_efficiency", "usable_memory_fraction"):
+        for f in ("gemm_efficiency", "hbm_efficiency", "link_efficiency", "usable_memory_fraction",
+                  "host_efficiency", "host_usable_fraction"):
             v = getattr(self, f)
             if not 0 < v <= 1:
                 raise MoecompileError(f"cluster {self.name!r}: {f}={v} must be in (0, 1]")
@@ -88,6 +101,25 @@ class Cluster:
     @property
     def memory_bandwidth(self) -> float:
         return self.hbm_bandwidth * self.hbm_efficiency
+
+    @property
+    def can_offload(self) -> bool:
+        """Whether the cluster has host memory and a path to it to offload the optimizer to."""
+        return self.host_memory_bytes > 0 and self.host_bandwidth > 0 and self.pcie_bandwidth > 0
+
+    @property
+    def usable_host_memory(self) -> float:
+        return self.host_memory_bytes * self.host_usable_fraction
+
+    @property
+    def host_stream_bandwidth(self) -> float:
+        """Achieved bytes/s of a CPU optimizer step, per GPU (host bandwidth x host_efficiency)."""
+        return self.host_bandwidth * self.host_efficiency
+
+    @property
+    def host_link_bandwidth(self) -> float:
+        """Achieved bytes/s per direction between a GPU and host memory (PCIe x link_efficiency)."""
+        return self.pcie_bandwidth * self.link_efficiency
 
     def link(self, span: Span) -> Link:
         """The fabric a group of that span is limited by, with the link efficiency applied."""
@@ -116,6 +148,8 @@ class Cluster:
             f"{self.memory_bytes / GiB:.0f} GiB, bf16 {self.bf16_flops / 1e12:.0f} / fp8 {self.fp8_flops / 1e12:.0f} "
             f"TFLOP/s dense, HBM {self.hbm_bandwidth / 1e12:.2f} TB/s, intra {self.intra.bandwidth / GB:.0f} GB/s, "
             f"inter {self.inter.bandwidth / GB:.0f} GB/s per direction"
+            + (f"; host {self.host_memory_bytes / GB:.0f} GB at {self.host_bandwidth / GB:.0f} GB/s, "
+               f"{self.pcie_bandwidth / GB:.0f} GB/s to it" if self.can_offload else "")
         )
 
 
@@ -134,20 +168,27 @@ class Cluster:
 # Latencies: NVLink ~1-2 us, InfiniBand NDR ~1-5 us per hop for small messages (public interconnect
 #   overviews); NCCL adds software latency, so we take 5 us intra and 10 us inter as the per-collective
 #   floor. These are order-of-magnitude assumptions; at MB message sizes the bandwidth term dominates.
+# Host side, per GPU: DGX H100 and DGX H200 (their user guides) hold 2 TB of DDR5 and two Xeon Platinum
+#   8480C (8 channels of DDR5-4800 each, 307 GB/s a socket) for 8 GPUs: 256 GB and 77 GB/s per GPU; each GPU
+#   sits on PCIe Gen5 x16, 64 GB/s per direction. GB200 NVL72: a Grace CPU with 480 GB LPDDR5X at up to
+#   512 GB/s serves 2 GPUs over NVLink-C2C (900 GB/s bidirectional), shared: 240 GB, 256 GB/s and 225 GB/s
+#   per direction per GPU. Spec-sheet figures; the efficiencies above are applied to them.
+_DGX_HOST = dict(host_memory_bytes=256 * GB, host_bandwidth=76.8 * GB, pcie_bandwidth=64 * GB)
 _PRESETS: dict[str, dict] = {
     "h100": dict(
         gpus_per_node=8, memory_bytes=80 * GB, bf16_flops=989.4e12, fp8_flops=1978.9e12, hbm_bandwidth=3.35e12,
-        intra=Link(450 * GB, 5e-6), inter=Link(50 * GB, 10e-6),
+        intra=Link(450 * GB, 5e-6), inter=Link(50 * GB, 10e-6), **_DGX_HOST,
         source="NVIDIA H100 SXM5 datasheet (dense = sparse/2); NVLink 4 900 GB/s bidir; ConnectX-7 400 Gb/s per GPU",
     ),
     "h200": dict(
         gpus_per_node=8, memory_bytes=141 * GB, bf16_flops=989.4e12, fp8_flops=1978.9e12, hbm_bandwidth=4.8e12,
-        intra=Link(450 * GB, 5e-6), inter=Link(50 * GB, 10e-6),
+        intra=Link(450 * GB, 5e-6), inter=Link(50 * GB, 10e-6), **_DGX_HOST,
         source="NVIDIA H200 SXM product page (141 GB HBM3e, 4.8 TB/s; Hopper tensor cores as H100)",
     ),
     "gb200": dict(
         gpus_per_node=72, memory_bytes=186 * GB, bf16_flops=2.5e15, fp8_flops=5.0e15, hbm_bandwidth=8.0e12,
         intra=Link(900 * GB, 5e-6), inter=Link(50 * GB, 10e-6),
+        host_memory_bytes=240 * GB, host_bandwidth=256 * GB, pcie_bandwidth=225 * GB,
         source="NVIDIA GB200 NVL72 spec per GPU (rack 720/360 PF FP8/BF16 sparse, 13.4 TB, 576 TB/s, NVLink5 1.8 TB/s)",
     ),
 }

@@ -41,6 +41,12 @@ The model, per micro-batch and rank (T tokens of the micro-batch, /tp with seque
   parameters and the model-dtype gradient buckets stay whole, except under ZeRO-2: its range of the
   gradients plus the whole bucket buffers in flight (:func:`in_flight_bytes`), and under
   ZeRO-3 its range of the parameters plus the whole buckets gathered (:func:`gathered_bytes`).
+- optimizer offload (``parallel.offload_optimizer`` = f): f of the elements a rank updates keep their
+  optimizer state, fp32 master and its gradient in host memory (the device's optimizer memory x (1 - f)),
+  and on the host an fp32 master and gradient whatever the model's dtype, plus, for a bf16 model, the pinned
+  buffers their gradient and value cross PCIe in. Each step their gradient goes down and the new values come
+  up over PCIe and a CPU AdamW streams them at the host's achieved bandwidth, while the device updates the
+  rest: the step pays what the host path takes beyond the device's part. The host memory must fit too.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32 per parameter (build_train
 # NCCL's IN_FLIGHT reduce-scatters + the bucket backward fills. An approximation, not a bound (a second bucket
 # may fill side by side, dense and expert, and the received ranges are alive too)
 IN_FLIGHT_BUCKETS = IN_FLIGHT + 1
+HOST_TERM = "optimizer on host"  # the memory term in host memory (parallel.offload_optimizer), not the device's
 _FP8_CATEGORY = {"experts": "experts", "shared_experts": "shared_experts", "dense": "dense_mlp",
                  "attention_proj": "attention_proj"}
 _EXPERT_COMPUTE = {"experts"}
@@ -109,6 +116,11 @@ class Candidate:
         return bool(getattr(self.plan.parallel, "shard_parameters", False))
 
     @property
+    def offload(self) -> float:
+        """The plan's ``parallel.offload_optimizer``: the share of the optimizer a rank keeps in host memory."""
+        return float(getattr(self.plan.parallel, "offload_optimizer", 0.0))
+
+    @property
     def zero(self) -> str:
         """"zero3", "zero2", "zero1", or "" (unsharded): how much of the training state a rank shards."""
         if not self.distributed_optimizer:
@@ -132,6 +144,8 @@ class Candidate:
             parts.append("1f1b-a2a-overlap")
         if self.distributed_optimizer:
             parts.append(self.zero)
+        if self.offload:
+            parts.append(f"offload {self.offload:.0%}")
         mods = list(p.recompute.modules) + [m for m in self.assume_recompute if m not in p.recompute.modules]
         if p.parallel.ep > 1 and p.experts.apply_weights == "combine":
             parts.append("weights@combine")
@@ -166,11 +180,21 @@ class Estimate:
 
     @property
     def memory_bytes(self) -> float:
+        """Device bytes per rank (the memory terms counted; the host's are shown, not counted)."""
         return sum(t.value for t in self.memory if t.counted)
 
     @property
+    def host_bytes(self) -> float:
+        """Host bytes per rank: the offloaded optimizer's (``parallel.offload_optimizer``)."""
+        return sum(t.value for t in self.memory if t.name == HOST_TERM)
+
+    @property
     def fits(self) -> bool:
-        return self.memory_bytes <= self.cluster.usable_memory
+        return self.memory_bytes <= self.cluster.usable_memory and self.host_fits
+
+    @property
+    def host_fits(self) -> bool:
+        return self.host_bytes <= self.cluster.usable_host_memory
 
     @property
     def tokens_per_s_per_gpu(self) -> float:
@@ -188,6 +212,10 @@ class Estimate:
         return self.candidate.plan
 
     def misfit_reason(self) -> str:
+        if not self.host_fits:
+            return (f"the offloaded optimizer needs {self.host_bytes / GiB:.1f} GiB of host memory per GPU > "
+                    f"{self.cluster.usable_host_memory / GiB:.1f} GiB usable ({self.cluster.host_memory_bytes / GiB:.0f}"
+                    f" GiB x {self.cluster.host_usable_fraction})")
         parts = ", ".join(f"{t.name} {t.value / GiB:.1f}" for t in self.memory if t.counted)
         return (f"needs {self.memory_bytes / GiB:.1f} GiB per GPU > {self.cluster.usable_memory / GiB:.1f} GiB usable "
                 f"({self.cluster.memory_bytes / GiB:.0f} GiB x {self.cluster.usable_memory_fraction}): {parts}")
@@ -422,11 +450,15 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
                           "compute is not measured"))
     # AdamW reads and writes the fp32 master and both states, reads the gradient, writes the parameter
     per_param = 2 * (4 + 2 * cand.moment_bytes) + gbytes + profile.elem_bytes
-    opt_bytes = optimizer_params(profile, cand, G) * per_param
-    terms.append(Term("optimizer", opt_bytes / cluster.memory_bandwidth,
+    owned, f = optimizer_params(profile, cand, G), cand.offload
+    opt_bytes = (1 - f) * owned * per_param
+    t_device = opt_bytes / cluster.memory_bandwidth
+    terms.append(Term("optimizer", t_device,
                       f"AdamW streams {human(opt_bytes, 'B')} at {human(cluster.memory_bandwidth, 'B/s')}"
                       + (f" (this rank's range: dense / dp={dp}, experts / edp={edp})" if cand.distributed_optimizer
-                         else "")))
+                         else "") + (f", the {1 - f:.0%} on the device" if f else "")))
+    if f:
+        terms.append(_offload_term(profile, cluster, cand, f * owned, gbytes, t_device))
 
     step = sum(t.value for t in terms if t.counted)
     memory = _memory(profile, cand, G)
@@ -532,9 +564,11 @@ def _whole_how(profile: ModelProfile, cand: Candidate, nbytes: float, fallback: 
     return f"{fallback} of the largest"
 
 
-def static_memory(profile: ModelProfile, cand: Candidate, gpus: int) -> float:
-    """Bytes of parameters, gradients and optimizer state per rank (no activations) on ``gpus`` GPUs."""
-    return sum(t.value for t in _memory(profile, cand, gpus) if t.name != "activations")
+def static_memory(profile: ModelProfile, cand: Candidate, gpus: int, offloadable: bool = False) -> float:
+    """Device bytes of parameters, gradients and optimizer state per rank (no activations) on ``gpus`` GPUs;
+    ``offloadable``: without the optimizer's, the least they can be with the optimizer offloaded."""
+    skip = {"activations", HOST_TERM} | ({"optimizer"} if offloadable else set())
+    return sum(t.value for t in _memory(profile, cand, gpus) if t.name not in skip)
 
 
 def _memory(profile: ModelProfile, cand: Candidate, gpus: int) -> list[Term]:
@@ -557,9 +591,50 @@ def _memory(profile: ModelProfile, cand: Candidate, gpus: int) -> list[Term]:
               if cand.shard_parameters else
               Term("params", params_rank * e, f"{human(params_rank)} elements x {e} B (experts / ep={cand.ep})"))
     act = profile.activation_bytes * cand.micro_batch / profile.micro_batch / cand.tp
-    return [
+    f = cand.offload
+    out = [
         params,
         Term("grads", graded * grad + buckets, grads_how),
-        Term("optimizer", owned * state, f"{human(owned)} elements x {state:g} B ({how}), {where}"),
+        Term("optimizer", (1 - f) * owned * state, f"{human((1 - f) * owned)} elements x {state:g} B ({how}), {where}"
+             + (f"; the other {f:.0%} in host memory" if f else "")),
         Term("activations", act, f"kept for backward, micro-batch {cand.micro_batch} ({profile.memory_source})"),
     ]
+    if f:
+        e, host = profile.elem_bytes, host_bytes_per_element(profile, cand)
+        out.append(Term(HOST_TERM, f * owned * host,
+                        f"{human(f * owned)} elements x {host:g} B: fp32 master 4 + its grad 4 + AdamW "
+                        f"{2 * cand.moment_bytes}" + (f" + pinned {e:g} B gradient and value buffers" if e < 4 else "")
+                        + " (host memory, not the GPU's)", counted=False))
+    return out
+
+
+def host_bytes_per_element(profile: ModelProfile, cand: Candidate) -> float:
+    """Host bytes of an offloaded element (moecompile.optimizer_offload.to_host): an fp32 master and its gradient
+    whatever the model's dtype, the AdamW moments, and for a low-precision model the pinned buffers its gradient
+    and its new value cross PCIe in."""
+    e = profile.elem_bytes
+    return 4 + 4 + 2 * cand.moment_bytes + (2 * e if e < 4 else 0)
+
+
+def _offload_term(profile: ModelProfile, cluster: Cluster, cand: Candidate, elements: float, gbytes: float,
+                  t_device: float) -> Term:
+    """The offloaded part of the step: gradients down, a CPU AdamW, values up, beyond the device's part it runs
+    beside (moecompile.optimizer_offload.step)."""
+    e = profile.elem_bytes
+    link, host = cluster.host_link_bandwidth, cluster.host_stream_bandwidth
+    if link <= 0 or host <= 0:
+        return Term("optimizer offload", float("inf"), f"{cluster.name} has no host memory or link to offload to")
+    down, up = elements * gbytes / link, elements * e / link
+    # the host AdamW: fp32 master and moments read and written, the fp32 gradient read; the received gradient
+    # and the new value cast where the model's dtype is not fp32
+    per = 2 * (4 + 2 * cand.moment_bytes) + 4 + (gbytes + 4 if gbytes < 4 else 0) + (4 + e if e < 4 else 0)
+    t_host = elements * per / host
+    path = down + t_host + up
+    return Term("optimizer offload", max(0.0, path - t_device),
+                f"{human(elements)} elements: gradients down {_s(down)} + CPU AdamW {_s(t_host)} ({per:g} B an "
+                f"element at {human(host, 'B/s')}) + values up {_s(up)} over {human(link, 'B/s')}, beyond the "
+                f"device's {_s(t_device)} beside it")
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"

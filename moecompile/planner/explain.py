@@ -67,8 +67,13 @@ def explain(est: Estimate) -> str:
                  f"{est.tflops_per_gpu:,.0f} model TFLOP/s/GPU")
     lines.append("memory per rank:")
     for t in est.memory:
-        lines.append(f"  {t.name:<{width}} {human(t.value, 'B', 1024):>11}  {t.detail}")
-    verdict = "fits" if est.fits else "does NOT fit"
+        mark = "" if t.counted else " (not counted)"
+        lines.append(f"  {t.name:<{width}} {human(t.value, 'B', 1024):>11}{mark}  {t.detail}")
+    verdict = "fits" if est.memory_bytes <= c.usable_memory else "does NOT fit"
     lines.append(f"  {'= total':<{width}} {human(est.memory_bytes, 'B', 1024):>11}  {verdict} in "
                  f"{c.usable_memory / GiB:.1f} GiB usable")
+    if est.host_bytes:
+        verdict = "fits" if est.host_fits else "does NOT fit"
+        lines.append(f"  {'= host':<{width}} {human(est.host_bytes, 'B', 1024):>11}  {verdict} in "
+                     f"{c.usable_host_memory / GiB:.1f} GiB of host memory usable per GPU")
     return "\n".join(lines)

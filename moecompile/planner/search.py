@@ -12,18 +12,24 @@ A plan that does not fit in memory is kept in ``rejected`` with its memory break
 ``parallel.shard_gradients`` (ZeRO-2) on and off, and where that is on ``parallel.shard_parameters``
 (ZeRO-3) on and off: none changes the graph (no variant is traced for them), only the memory of the
 parameters, optimizer and gradients and the time of their gathers, sync and update.
+``parallel.offload_optimizer`` is given to a plan that does not fit otherwise, on a cluster with host
+memory: the least share of its optimizer (a multiple of OFFLOAD_STEP) that brings it into the GPU's
+memory, if the host's holds it; the offloaded plan is then ranked by its (slower) step time like any other.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from typing import Any, Callable
 
 from ..errors import MoecompileError, PlanError
 from ..plan import Plan
 from .cluster import Cluster
 from .cost_model import Candidate, Estimate, estimate, static_memory
+
+OFFLOAD_STEP = 0.05  # the offload shares the search gives a plan: the least multiple of this that fits
 from .profile import ModelProfile
 
 RECOMPUTE_SETS: tuple[tuple[str, ...], ...] = ((), ("moe_act", "layernorm"), ("moe",), ("moe", "attention"))
@@ -55,6 +61,8 @@ class SearchSpace:
     # bytes per AdamW moment element of every plan (not searched: bf16 moments change the numerics, a user's
     # choice, as DeepSeek-V3 made it): 4 torch.optim.AdamW, 2 moecompile.AdamW(moment_dtype=torch.bfloat16)
     moment_bytes: int = 4
+    # parallel.offload_optimizer given, at the least share that fits, to a plan that does not fit without it
+    offload_optimizer: bool = True
     notes: tuple[str, ...] = ()
 
     @classmethod
@@ -91,6 +99,9 @@ class SearchSpace:
         if "shard_parameters" not in {f.name for f in dataclasses.fields(Plan().parallel)}:
             fields["shard_parameters"] = (False,)
             notes.append("parallel.shard_parameters not in the plan: parameters are priced whole on every rank")
+        if "offload_optimizer" not in {f.name for f in dataclasses.fields(Plan().parallel)}:
+            fields["offload_optimizer"] = False
+            notes.append("parallel.offload_optimizer not in the plan: the optimizer is never offloaded")
         fields.update(overrides)
         return cls(notes=tuple(notes), **fields)
 
@@ -124,6 +135,8 @@ def _plan_dict(base: dict, experts: dict, ep: int, dispatcher: str, mode: str, c
     for key in ("shard_optimizer", "shard_gradients", "shard_parameters"):  # searched: the sharded twins are added
         if key in plan["parallel"]:
             plan["parallel"][key] = False
+    if "offload_optimizer" in plan["parallel"]:  # searched: given where a plan does not fit without it
+        plan["parallel"]["offload_optimizer"] = 0.0
     if recompute or "recompute" in plan:
         plan["recompute"] = {**plan.get("recompute", {}), "modules": list(recompute)}
     if fp8 != "none" or "fp8" in plan:
@@ -213,6 +226,23 @@ def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, spa
     return out, skipped
 
 
+def offloaded(est: Estimate, profile: ModelProfile, global_batch: int) -> Estimate | None:
+    """``est``'s plan with the least share of its optimizer offloaded (a multiple of OFFLOAD_STEP) that fits the
+    GPU's memory and the host's, or None if none does."""
+    cand, cluster = est.candidate, est.cluster
+    optimizer = sum(t.value for t in est.memory if t.name == "optimizer")
+    excess = est.memory_bytes - cluster.usable_memory
+    if optimizer <= 0 or excess > optimizer:
+        return None
+    share = min(1.0, round(math.ceil(max(excess, 0.0) / optimizer / OFFLOAD_STEP - 1e-9) * OFFLOAD_STEP, 4))
+    try:
+        plan = cand.plan.replace(parallel=dataclasses.replace(cand.plan.parallel, offload_optimizer=share))
+    except PlanError:  # e.g. a base plan's full CUDA-graph capture, which cannot record a host step
+        return None
+    out = estimate(profile, cluster, dataclasses.replace(cand, plan=plan), global_batch)
+    return out if out.fits else None
+
+
 @dataclasses.dataclass
 class PlanReport:
     """Ranked plans that fit, plans rejected (with the reason), and what the search left out."""
@@ -291,16 +321,20 @@ def search(profile_for: Callable[[Candidate], ModelProfile], experts: dict, clus
     failed: dict[str, list[str]] = {}
     pruned: set[tuple[int, int, str]] = set()
     n_pruned = 0
+    offload = space.offload_optimizer and cluster.can_offload
     for cand in cands:
-        if baseline is not None and static_memory(baseline, cand, cluster.gpus) > cluster.usable_memory:
+        if baseline is not None and static_memory(baseline, cand, cluster.gpus, offloadable=offload) > \
+                cluster.usable_memory:
             n_pruned += 1
             key = (cand.ep, cand.micro_batch, cand.zero)
             if key not in pruned:  # one representative per EP size, micro-batch and sharding (zero1, 2, 3)
                 pruned.add(key)
                 est = estimate(baseline, cluster, cand, global_batch)
-                static = static_memory(baseline, cand, cluster.gpus)
-                rejected.append((est, f"parameters, gradients and optimizer state alone need {static / 2**30:.1f} GiB "
-                                      f"per GPU > {cluster.usable_memory / 2**30:.1f} GiB usable, before activations "
+                static = static_memory(baseline, cand, cluster.gpus, offloadable=offload)
+                what = ("parameters and gradients alone, the optimizer offloaded," if offload else
+                        "parameters, gradients and optimizer state alone")
+                rejected.append((est, f"{what} need {static / 2**30:.1f} GiB per GPU > "
+                                      f"{cluster.usable_memory / 2**30:.1f} GiB usable, before activations "
                                       f"({est.misfit_reason().split(': ', 1)[1]})"))
             continue
         try:
@@ -310,6 +344,8 @@ def search(profile_for: Callable[[Candidate], ModelProfile], experts: dict, clus
             continue
         profile = profile or prof
         est = estimate(prof, cluster, cand, global_batch)
+        if not est.fits and offload:
+            est = offloaded(est, prof, global_batch) or est
         if est.fits:
             fits.append(est)
         else:
@@ -332,14 +368,14 @@ def _rank_key(est: Estimate) -> tuple:
     """Fastest first; on a tie prefer dropless (no drops), the weights in the activation (less memory), fewer
     chunks, no recompute, no FP8, less sharding (unsharded runs any torch optimizer; zero1 before zero2: the same
     bytes, without hooks copying every gradient into a bucket; zero2 before zero3: no hooks gathering parameters,
-    and CUDA graphs allowed), larger micro-batch."""
+    and CUDA graphs allowed), less offload, larger micro-batch."""
     import math
 
     c = est.candidate
     return (math.floor(math.log(max(est.step_s, 1e-12)) / math.log1p(TIE)), c.plan.parallel.dispatch_mode != "dropless",
             c.plan.experts.apply_weights == "combine", c.overlap_chunks, len(c.plan.recompute.modules),
-            c.plan.fp8.enabled, c.distributed_optimizer + c.shard_gradients + c.shard_parameters, -c.micro_batch,
-            est.step_s)
+            c.plan.fp8.enabled, c.distributed_optimizer + c.shard_gradients + c.shard_parameters, c.offload,
+            -c.micro_batch, est.step_s)
 
 
 def iter_sections(cand: Candidate) -> dict:
