@@ -129,3 +129,17 @@ def test_cli_plan_writes_the_share_and_it_trains(tmp_path, capsys, monkeypatch, 
     step = mc.build_train_step(result)
     step(ids, ids)
     assert step.host_optimizer_bytes() > 0
+
+
+@pytest.mark.slow
+def test_qwen3_235b_on_64_h100s_fits_only_with_the_optimizer_offloaded():
+    """The README's example: nothing fits on the GPUs alone; with offload the best plan fits both memories."""
+    from moecompile.planner import plan_for
+
+    report = plan_for("qwen3-235b-a22b", "h100", gpus=64, global_batch=256, seq_len=4096)
+    best = report.best
+    assert best.candidate.offload > 0 and best.fits and 0 < best.host_bytes <= report.cluster.usable_host_memory
+    assert best.term("optimizer offload") > 0
+    # the share is the least that fits: one step less keeps OFFLOAD_STEP more of the optimizer on the GPU
+    whole = _mem(best)["optimizer"] / (1 - best.candidate.offload)
+    assert best.memory_bytes + OFFLOAD_STEP * whole > report.cluster.usable_memory
