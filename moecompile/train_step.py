@@ -127,7 +127,9 @@ class TrainStep:
                 f"the converted module's tensors are on more than one device: {elsewhere[:3]} are not on "
                 f"{self.device}; move the module (result.module.to(device)) or convert the model on one device"
             )
-        if keep_host_memory if keep_host_memory is not None else self.device.type == "cpu":
+        # on CPU, and wherever the optimizer steps on the host in part (its temporaries), freed host memory is reused
+        on_host = self.device.type == "cpu" or self.plan.parallel.offload_optimizer > 0
+        if keep_host_memory if keep_host_memory is not None else on_host:
             if host_memory.keep_freed_memory():
                 log.info("host memory: glibc keeps freed blocks for reuse (no mmap, no trim; keep_host_memory=False "
                          "leaves malloc as it is)")
@@ -457,7 +459,7 @@ def build_train_step(
     ("fp32" | "bf16"; default bf16 on CUDA, fp32 on CPU), ``bucket_mb`` (gradient bucket size),
     ``expert_bias_rate`` (default ``plan.experts.expert_bias_rate``), ``cuda_graph``
     ("none" | "partial" | "full"; default ``plan.cuda_graph.mode``), ``keep_host_memory`` (default
-    True on CPU: ``moecompile.host_memory.keep_freed_memory``, process-wide).
+    True on CPU and with ``parallel.offload_optimizer``: ``moecompile.host_memory.keep_freed_memory``, process-wide).
     The batch the step is called with may be any multiple of the batch ``convert`` traced: it
     runs as that many micro-batches (gradient accumulation), so convert at the micro-batch.
     """

@@ -1,8 +1,9 @@
 """parallel.offload_optimizer: a share of the optimizer in host memory, stepped by the CPU.
 
 The oracle is the same step without offload: the arithmetic is the same (fp32 masters, the same
-optimizer), so on CPU every loss and parameter must match bit for bit, single-process and sharded
-over 2 ranks, and a checkpoint must move between offloaded and not.
+optimizer implementation, chosen in the factory: foreach=False), so on CPU every loss and parameter
+must match bit for bit, single-process and sharded over 2 ranks, and a checkpoint must move between
+offloaded and not. Left to torch, the host part runs the fused CPU kernel instead.
 """
 
 from __future__ import annotations
@@ -25,18 +26,21 @@ def data() -> ByteBatches:
     return ByteBatches(stdlib_bytes(300_000), BATCH, SEQ, seed=0)
 
 
-def grouped_adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def grouped_adamw(params: list[torch.nn.Parameter], **implementation) -> torch.optim.Optimizer:
+    """Two param groups (no decay on vectors); the for-loop implementation on both sides unless told otherwise."""
     vectors = [p for p in params if p.dim() < 2]
     matrices = [p for p in params if p.dim() >= 2]
     return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-                             lr=3e-3)
+                             lr=3e-3, **(implementation or {"foreach": False}))
 
 
-def make_step(offload: float, dtype: str | None = None, **options) -> tuple[mc.ConversionResult, mc.TrainStep]:
-    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=BATCH, seq_len=SEQ, dtype=dtype)
-    plan = {"experts": {"num_experts": 4, "top_k": 2, "z_loss_coeff": 1e-3}, "parallel": {"offload_optimizer": offload}}
+def make_step(offload: float, dtype: str | None = None, world_size: int = 1, optimizer=grouped_adamw,
+              **parallel) -> tuple[mc.ConversionResult, mc.TrainStep]:
+    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=BATCH // world_size, seq_len=SEQ, dtype=dtype)
+    plan = {"experts": {"num_experts": 4, "top_k": 2, "z_loss_coeff": 1e-3},
+            "parallel": {"offload_optimizer": offload, **parallel}}
     result = mc.convert(dense, plan, (ids,))
-    return result, mc.build_train_step(result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.01, **options)
+    return result, mc.build_train_step(result, optimizer=optimizer, clip_grad_norm=1.0, bucket_mb=0.01)
 
 
 def train(step: mc.TrainStep, data: ByteBatches, first: int, count: int) -> list[float]:
@@ -114,21 +118,40 @@ def test_a_share_outside_0_to_1_or_a_full_capture_is_a_plan_error():
     mc.Plan(parallel={"offload_optimizer": 0.5}, cuda_graph={"mode": "partial"})  # the optimizer runs eagerly there
 
 
+def test_left_to_torch_the_host_part_runs_the_fused_cpu_kernel(data, monkeypatch):
+    import torch.optim.adam as adam
+
+    calls = []
+    fused = adam._fused_adam
+    monkeypatch.setattr(adam, "_fused_adam", lambda params, *a, **k: calls.append(len(params)) or fused(params, *a, **k))
+    torch_default = lambda ps: grouped_adamw(ps, foreach=None)  # noqa: E731  (fused, foreach: None)
+    _, plain = make_step(0.0, optimizer=torch_default)
+    _, step = make_step(0.5, optimizer=torch_default)
+    want = train(plain, data, 0, STEPS)
+    assert not calls  # on the device torch picks its own (for CPU tensors: the for-loop one)
+    got = train(step, data, 0, STEPS)
+    host = sum(isinstance(u, HostUpdate) for u in step.updates)
+    assert sum(calls) == host * STEPS  # the host part (both groups), fused, each step
+    assert got == pytest.approx(want, rel=1e-5)  # fused rounds an ulp apart
+    assert all(g["fused"] is None and g["foreach"] is None for g in step.optimizer.param_groups)  # restored
+
+
 def offload_worker(rank: int, world_size: int) -> dict:
     """Two ranks, sharded (ZeRO-2 at ep=2 in bf16, ZeRO-3 at ep=1): each setting with and without offload."""
-    from _shard_scenario import STEPS as N
-    from _shard_scenario import _train, _whole_params, make_step as sharded_step
+    from _shard_scenario import _whole_params
 
     out = {}
+    stream = ByteBatches(stdlib_bytes(300_000), BATCH, SEQ, seed=0)
     for name, ep, dtype, extra in (("ep2_zero2_bf16", 2, "bfloat16", {"shard_gradients": True}),
                                    ("dp2_zero3", 1, None, {"shard_gradients": True, "shard_parameters": True})):
         runs = {}
         for offload in (0.0, 0.6):
-            result, step = sharded_step(world_size, ep, True, dtype, offload_optimizer=offload, **extra)
-            runs[offload] = {"losses": [m["loss"] for m in _train(step, rank, world_size, 0, N)],
+            result, step = make_step(offload, dtype, world_size, ep=ep, shard_optimizer=True, **extra)
+            batches = [stream.shard(i, rank, world_size) for i in range(STEPS)]
+            runs[offload] = {"losses": [step(b).loss for b in batches],
                              "params": _whole_params(step, result), "device": step.optimizer_bytes(),
                              "host": step.host_optimizer_bytes(),
-                             "estimate": mc.estimate_memory(result, by_pass=False, bucket_mb=0.05).host_optimizer}
+                             "estimate": mc.estimate_memory(result, by_pass=False, bucket_mb=0.01).host_optimizer}
         out[name] = runs
     return out
 
