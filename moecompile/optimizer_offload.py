@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 
+from .errors import MoecompileError
 from .grad_sync import Shard
 from .optimizer import Update
 from .optimizer import updates_for as on_device
@@ -141,6 +142,19 @@ def _only(optimizer: torch.optim.Optimizer, keep: Callable[[torch.Tensor], bool]
             g["params"] = params
             if "fused" in g:
                 g["fused"] = was
+
+
+def check(optimizer: torch.optim.Optimizer, updates: list[Update]) -> None:
+    """Refuse an optimizer that cannot step in two parts: one whose update of a tensor reads the others'.
+
+    Every torch.optim optimizer but LBFGS updates each tensor from its own gradient and state (step
+    counts included); a custom one must too, and its step hooks run once for each part.
+    """
+    if any(isinstance(u, HostUpdate) for u in updates) and isinstance(optimizer, torch.optim.LBFGS):
+        raise MoecompileError(
+            "parallel.offload_optimizer steps the host's tensors and the device's apart, and LBFGS updates all "
+            "parameters as one vector (its line search reads them all); use an optimizer that updates each tensor "
+            "on its own (SGD, Adam, AdamW, ...), or parallel.offload_optimizer: 0")
 
 
 def step(optimizer: torch.optim.Optimizer, updates: list[Update], device: torch.device) -> None:

@@ -161,6 +161,7 @@ class TrainStep:
         self.masters: dict[str, nn.Parameter] = {u.shard.name: u.tensor for u in self.updates} if masters else {}
         self.optimizer = build_optimizer(optimizer or (lambda ps: torch.optim.AdamW(ps, lr=1e-3)),
                                          list(self.trainable.values()), self.updates, self.sharded)
+        optimizer_offload.check(self.optimizer, self.updates)
         self.bias_rate = expert_bias_rate if expert_bias_rate is not None else self.plan.experts.expert_bias_rate
         self.biases = self._expert_biases()
         self.step_count = 0

@@ -109,6 +109,12 @@ def test_a_checkpoint_moves_between_offloaded_and_device_steps(data, tmp_path):
     assert train(offloaded, data, STEPS, STEPS) == train(plain, data, STEPS, STEPS)
 
 
+def test_an_optimizer_that_reads_every_tensor_at_once_is_refused():
+    with pytest.raises(mc.MoecompileError, match="LBFGS updates all parameters as one vector"):
+        make_step(0.5, optimizer=lambda ps: torch.optim.LBFGS(ps))
+    make_step(0.0, optimizer=lambda ps: torch.optim.LBFGS(ps))  # nothing offloaded: one part, as before
+
+
 def test_a_share_outside_0_to_1_or_a_full_capture_is_a_plan_error():
     with pytest.raises(mc.PlanError, match="offload_optimizer.*from 0 .none. to 1 .all."):
         mc.Plan(parallel={"offload_optimizer": 1.5})
@@ -137,13 +143,15 @@ def test_left_to_torch_the_host_part_runs_the_fused_cpu_kernel(data, monkeypatch
 
 
 def offload_worker(rank: int, world_size: int) -> dict:
-    """Two ranks, sharded (ZeRO-2 at ep=2 in bf16, ZeRO-3 at ep=1): each setting with and without offload."""
+    """Two ranks, sharded (ZeRO-2 at ep=2 in bf16, ZeRO-3, ZeRO-1 gathering behind the next forward): each setting
+    with and without offload."""
     from _shard_scenario import _whole_params
 
     out = {}
     stream = ByteBatches(stdlib_bytes(300_000), BATCH, SEQ, seed=0)
     for name, ep, dtype, extra in (("ep2_zero2_bf16", 2, "bfloat16", {"shard_gradients": True}),
-                                   ("dp2_zero3", 1, None, {"shard_gradients": True, "shard_parameters": True})):
+                                   ("dp2_zero3", 1, None, {"shard_gradients": True, "shard_parameters": True}),
+                                   ("dp2_zero1_gather_behind", 1, None, {"overlap_param_gather": True})):
         runs = {}
         for offload in (0.0, 0.6):
             result, step = make_step(offload, dtype, world_size, ep=ep, shard_optimizer=True, **extra)
