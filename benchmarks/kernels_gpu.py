@@ -5,7 +5,7 @@
     python benchmarks/kernels_gpu.py --dry-run            # tiny shapes on CPU under TRITON_INTERPRET=1:
                                                           # checks the script runs; its timings mean nothing
 
-Memory-bound kernels (route, permute, unpermute, glu, quantize) report GB/s
+Memory-bound kernels (route, permute, unpermute, glu, quantize, adamw_update) report GB/s
 against a device-to-device copy of the same bytes; GEMMs report TFLOP/s
 against torch._grouped_mm (cuBLAS/CUTLASS bf16), FP8 against
 torch._scaled_grouped_mm where this torch has it. Targets on H100/H200:
@@ -185,7 +185,17 @@ def run(args: argparse.Namespace) -> list[dict]:
             both(name, f"grouped_mm_fp8 {recipe}",
                  lambda r=recipe: mk.grouped_mm_fp8(xq, xs, wq, ws, sizes_al, r, 128, None, torch.bfloat16),
                  2 * N_al * 2 * F * H, "TFLOP/s", "_scaled_grouped_mm" if limit else None, limit)
-        del w1, w2
+        # moecompile.AdamW's step of one expert's up projection: fp32 master and gradient, bf16 moments
+        n = 2 * F * H
+        master, grad = torch.randn(n, device=device), torch.randn(n, device=device)
+        m, v = torch.zeros(n, device=device, dtype=torch.bfloat16), torch.zeros(n, device=device, dtype=torch.bfloat16)
+        step_size, bc2_sqrt = torch.tensor(1e-3, device=device, dtype=torch.float64), \
+            torch.tensor(0.03, device=device, dtype=torch.float64)
+        moved = n * (4 + 4 + 4 + 2 + 2 + 2 + 2)  # master read + written, gradient read, moments read + written
+        both(name, "adamw_update bf16 moments",
+             lambda: mk.adamw_update(master, grad, m, v, step_size, bc2_sqrt, lr=1e-3, weight_decay=0.1, beta1=0.9,
+                                     beta2=0.999, eps=1e-8), moved, "GB/s", "copy", copy_of(moved))
+        del w1, w2, master, grad, m, v
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows

@@ -28,6 +28,7 @@ or `backend.use(...)` forces one), so call sites never branch on what is install
 """
 if __name__ == "moecompile.kernels":
     from . import async_a2a, backend  # noqa: F401  (async_a2a: moecompile::a2a_start / a2a_wait)
+    from .adamw import adamw_update, adamw_update_ref
     from .ep_ops import pack_row_weights, sort_chunks, sort_chunks_ref, unpack_row_weights
     from .fp8_quantize import dequantize_fp8, quantize_fp8, quantize_fp8_ref
     from .glu import glu, glu_ref

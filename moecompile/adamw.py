@@ -10,6 +10,8 @@ rounded to ``moment_dtype`` when stored back (4 bytes a parameter in bf16).
 The update reads only each element's gradient, moments and value, so it can update any part of a
 parameter on its own: build_train_step accepts it under ``parallel.shard_optimizer``. The bias
 corrections are tensor ops on the step count (no host sync), as torch's ``capturable`` AdamW does.
+The update of each tensor is the ``adamw_update`` kernel: on CUDA one Triton pass over gradient,
+moments and value (kernels/adamw_triton.py), on CPU its torch reference.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .errors import MoecompileError
+from .kernels.adamw import adamw_update
 
 
 class AdamW(torch.optim.Optimizer):
@@ -57,17 +60,7 @@ class AdamW(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
         state["step"] += 1
-        grad = p.grad.float()
-        exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)  # in place when the moments are fp32
-        exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        for stored, computed in ((state["exp_avg"], exp_avg), (state["exp_avg_sq"], exp_avg_sq)):
-            if computed is not stored:
-                stored.copy_(computed)  # rounded to moment_dtype once
-        value = p.float() if p.dtype != torch.float32 else p
-        value.mul_(1 - group["lr"] * group["weight_decay"])
         step_size = group["lr"] / (1 - beta1 ** state["step"])
-        # torch's denom sqrt(v / bc2) + eps, divided by the step size: then one fused addcdiv
-        denom = exp_avg_sq.sqrt().div_((1 - beta2 ** state["step"]).sqrt()).add_(group["eps"]).div_(step_size)
-        value.addcdiv_(exp_avg, denom, value=-1)
-        if value is not p:
-            p.copy_(value)
+        bc2_sqrt = (1 - beta2 ** state["step"]).sqrt()
+        adamw_update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step_size, bc2_sqrt, lr=group["lr"],
+                     weight_decay=group["weight_decay"], beta1=beta1, beta2=beta2, eps=group["eps"])

@@ -141,7 +141,7 @@ def test_backend_choice_scopes_and_validates():
     with pytest.raises(KernelError, match="no kernel registered"):
         backend.implementation("softmax", torch.device("cpu"))
     assert set(backend.registered()) >= {"route", "permute", "grouped_mm", "grouped_mm_wgrad", "glu", "unpermute",
-                                         "quantize_fp8", "grouped_mm_fp8"}
+                                         "quantize_fp8", "grouped_mm_fp8", "adamw_update"}
     assert all(backend.registered().values())  # every op has a Triton body
 
 

@@ -355,3 +355,60 @@ def test_moe_block_runs_on_triton_end_to_end():
         return (out, *grads(out, (x, router, w1, w2), 0))
     got, want = both(run)
     close(got, want, torch.float32, "block")
+
+
+# --------------------------------------------------------------- adamw_update (moecompile.AdamW's step)
+
+
+@st.composite
+def adamw_cases(draw):
+    return dict(n=draw(st.integers(1, 3000)), param=draw(st.sampled_from(DTYPES)),
+                moments=draw(st.sampled_from(DTYPES)), steps=draw(st.integers(1, 3)),
+                beta1=draw(st.sampled_from([0.9, 0.0, 0.6])), weight_decay=draw(st.sampled_from([0.0, 0.1])),
+                seed=draw(st.integers(0, 2**16)))
+
+
+def check_adamw(case):
+    """Steps of one tensor, its gradient in the parameter's dtype; moments and values compared after each."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    n, beta2, lr, eps = case["n"], 0.999, 1e-2, 1e-8
+    start = torch.randn(n, generator=gen).to(case["param"])
+    grads_ = [torch.randn(n, generator=gen).to(case["param"]) for _ in range(case["steps"])]
+
+    def run():
+        p = start.clone()
+        m, v = torch.zeros(n, dtype=case["moments"]), torch.zeros(n, dtype=case["moments"])
+        for t, g in enumerate(grads_, 1):
+            step = torch.tensor(float(t), dtype=torch.float64)
+            mk.adamw_update(p, g, m, v, lr / (1 - case["beta1"] ** step), (1 - beta2 ** step).sqrt(), lr=lr,
+                            weight_decay=case["weight_decay"], beta1=case["beta1"], beta2=beta2, eps=eps)
+        return p, m, v
+    (p, m, v), (p_r, m_r, v_r) = both(run)
+    close((m, v), (m_r, v_r), case["moments"], "moments")
+    if case["param"] == case["moments"] == torch.float32:  # one pass in fp32, IEEE division and square root
+        torch.testing.assert_close(p, p_r, rtol=2e-6, atol=1e-7)
+    elif case["param"] == torch.float32:  # a moment one bf16 ulp apart moves a later step's update by ~1 %
+        torch.testing.assert_close(p, p_r, rtol=0, atol=case["steps"] * lr * 2e-2)
+    else:
+        close((p,), (p_r,), case["param"], "value")
+
+
+test_adamw_update, test_adamw_update_many = prop(adamw_cases(), examples=[
+    dict(n=1, param=torch.float32, moments=torch.float32, steps=1, beta1=0.9, weight_decay=0.0, seed=0),
+    dict(n=1025, param=torch.bfloat16, moments=torch.bfloat16, steps=3, beta1=0.9, weight_decay=0.1, seed=1),
+    dict(n=2000, param=torch.float32, moments=torch.bfloat16, steps=2, beta1=0.6, weight_decay=0.1, seed=2),
+])(check_adamw)
+
+
+def test_adamw_update_takes_the_reference_for_strided_tensors():
+    g = torch.randn(8, 6)
+    one = torch.tensor(1.0, dtype=torch.float64)
+
+    def run():
+        p, m, v = torch.randn(8, 6, generator=torch.Generator().manual_seed(0)), torch.zeros(6, 8).t(), \
+            torch.zeros(6, 8).t()  # moments not contiguous
+        mk.adamw_update(p, g, m, v, 1e-2 / (1 - 0.9 * one), (1 - 0.999 * one).sqrt(), lr=1e-2, weight_decay=0.0,
+                        beta1=0.9, beta2=0.999, eps=1e-8)
+        return p, m, v
+    got, want = both(run)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))  # the reference itself
