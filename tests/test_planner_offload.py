@@ -78,8 +78,10 @@ def test_offload_needs_host_memory_to_offload_to(tiny_profile):
     tight = _tight(tiny_profile, 8)
     no_host = dataclasses.replace(tiny_cluster(8), memory_bytes=tight, host_memory_bytes=0.0)
     assert not no_host.can_offload
+    report = _search(tiny_profile, no_host, 8, SPACE)
     with pytest.raises(MoecompileError, match="no plan"):
-        _search(tiny_profile, no_host, 8, SPACE).best
+        report.best
+    assert any("never offloaded" in n for n in report.notes)
     est = estimate(tiny_profile, tiny_cluster(8), _cand(tiny_profile, 8, 1.0), 8)
     small_host = dataclasses.replace(tiny_cluster(8), host_memory_bytes=est.host_bytes / 2)
     est = dataclasses.replace(est, cluster=small_host)

@@ -358,7 +358,11 @@ def search(profile_for: Callable[[Candidate], ModelProfile], experts: dict, clus
         raise MoecompileError("no candidate plan could be profiled: " + "; ".join(skipped[:3]))
     fits.sort(key=_rank_key)
     rejected.sort(key=lambda r: r[0].memory_bytes)
-    return PlanReport(profile, cluster, global_batch, fits, rejected, skipped, list(space.notes) + profile.notes)
+    notes = list(space.notes) + profile.notes
+    if space.offload_optimizer and not cluster.can_offload:
+        notes.append(f"cluster {cluster.name} gives no host memory, DRAM bandwidth or PCIe figures: the optimizer is "
+                     "never offloaded (set Cluster.host_memory_bytes, host_bandwidth and pcie_bandwidth to price it)")
+    return PlanReport(profile, cluster, global_batch, fits, rejected, skipped, notes)
 
 
 TIE = 0.002  # step times within 0.2% are a tie: the model is not that precise
