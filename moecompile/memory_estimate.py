@@ -24,7 +24,7 @@ from .costs import human
 from .errors import MoecompileError
 from .memory import CATEGORIES, ActivationProfile, profile_activations
 from .memory_shards import optimizer_ranks, ranged_bytes, sharded_state
-from .optimizer_offload import offloaded_share
+from .optimizer_offload import offloaded_share, transfer_bytes
 
 _OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
 
@@ -229,7 +229,8 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
                               "elements, from 0 to 1")
     share = offloaded_share([p.numel() for p in trainable.values()], offload)
     state_bytes *= _OPTIMIZER_STATES[optimizer]
-    host = round(share * (state_bytes + ranged(lambda p: 8 + _transfer_bytes(p))))  # + fp32 master and its grad
+    # + the fp32 master and its grad, and on CUDA the pinned buffers the gradient and value cross PCIe in
+    host = round(share * (state_bytes + ranged(lambda p: 8 + (transfer_bytes(p.element_size()) if p.is_cuda else 0))))
     state_bytes, m_bytes = round((1 - share) * state_bytes), round((1 - share) * m_bytes)
     buf_bytes = sum(b.numel() * b.element_size() for b in gm.buffers())
     x_bytes = sum(named[n].numel() * named[n].element_size() for n in expert_parameters(gm) if n in named)
@@ -253,12 +254,6 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
         shard_parameters=bool(shard_parameters), in_flight_params=gathered, offload_optimizer=share,
         host_optimizer=host,
     )
-
-
-def _transfer_bytes(p: torch.nn.Parameter) -> int:
-    """Pinned host bytes an offloaded element of ``p`` crosses PCIe through (optimizer_offload.to_host): its
-    gradient down and its value up, in ``p``'s dtype, where that is not the fp32 master's own; none on CPU."""
-    return 2 * p.element_size() if p.is_cuda and p.element_size() < 4 else 0
 
 
 def _backend(backend: str | None, trainable: dict[str, torch.nn.Parameter]) -> str:

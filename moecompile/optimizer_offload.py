@@ -117,6 +117,13 @@ def to_host(shard: Shard, device: torch.device) -> HostUpdate:
                       values_out=host(values.dtype) if pin and values.dtype != dtype else None)
 
 
+def transfer_bytes(elem_bytes: float, grad_bytes: float | None = None) -> float:
+    """Pinned host bytes an offloaded element keeps on a CUDA device (:func:`to_host`'s ``grad_in`` and ``values_out``):
+    its gradient received, where that is not fp32, and its new value sent, where the parameter is not fp32."""
+    grad = elem_bytes if grad_bytes is None else grad_bytes
+    return (grad if grad < 4 else 0) + (elem_bytes if elem_bytes < 4 else 0)
+
+
 def updates_for(shards: list[Shard], masters: bool, fraction: float, device: torch.device) -> list[Update]:
     """What the optimizer updates for each shard (moecompile.optimizer.updates_for), the leading ones holding
     ``fraction`` of the elements in host memory."""

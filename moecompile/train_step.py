@@ -172,17 +172,8 @@ class TrainStep:
         from .cuda_graphs import make_runner
 
         mode = cuda_graph if cuda_graph is not None else self.plan.cuda_graph.mode
-        if mode == "full" and self.device.type == "cuda" and self.plan.parallel.offload_optimizer > 0:
-            raise MoecompileError("cuda_graph='full' records the optimizer step too, but parallel.offload_optimizer "
-                                  "runs part of it on the CPU, which a CUDA graph cannot record; use "
-                                  "cuda_graph='partial' (the optimizer runs eagerly) or offload_optimizer: 0")
-        if mode != "none" and self.device.type == "cuda":
-            for option, python in (("shard_parameters", self.buckets.param_shards),
-                                   ("overlap_param_gather", self.buckets.param_gathers)):
-                if python is not None:
-                    raise MoecompileError(f"cuda_graph={mode!r} replays recorded kernels, but parallel.{option} "
-                                          "waits for parameter gathers from Python a replay does not run; use "
-                                          "cuda_graph='none'")
+        if mode != self.plan.cuda_graph.mode and self.device.type == "cuda":  # the plan's rules, for the mode given
+            dataclasses.replace(self.plan.cuda_graph, mode=mode).check_against(self.plan.parallel)
         self.runner = make_runner(self, mode)
 
     def _overlap_grad_reduce(self) -> bool:

@@ -199,3 +199,5 @@ def test_on_cuda_the_host_part_is_pinned_and_trains_as_the_device_does(data):
     for (n, p), q in zip(r0.module.named_parameters(), r1.module.parameters()):
         torch.testing.assert_close(q.float(), p.float(), rtol=2e-2, atol=2e-3, msg=n)
     assert all(s["exp_avg"].device.type == "cpu" for u in host for s in [step.optimizer.state[u.tensor]])
+    with pytest.raises(mc.PlanError, match="offload_optimizer runs part of it on the CPU"):  # the plan's rule
+        mc.build_train_step(r1, optimizer=grouped_adamw, cuda_graph="full")

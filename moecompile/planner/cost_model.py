@@ -57,6 +57,7 @@ from typing import Any
 from ..costs import human
 from ..grad_shards import IN_FLIGHT
 from ..memory_shards import IN_FLIGHT_PARAM_BUCKETS
+from ..optimizer_offload import transfer_bytes
 from .cluster import GiB, Cluster, Span
 from . import whole_buckets
 from .profile import LayerProfile, ModelProfile, NodeCost
@@ -600,10 +601,10 @@ def _memory(profile: ModelProfile, cand: Candidate, gpus: int) -> list[Term]:
         Term("activations", act, f"kept for backward, micro-batch {cand.micro_batch} ({profile.memory_source})"),
     ]
     if f:
-        e, host = profile.elem_bytes, host_bytes_per_element(profile, cand)
+        host, pinned = host_bytes_per_element(profile, cand), transfer_bytes(profile.elem_bytes, cand.grad_bytes)
         out.append(Term(HOST_TERM, f * owned * host,
                         f"{human(f * owned)} elements x {host:g} B: fp32 master 4 + its grad 4 + AdamW "
-                        f"{2 * cand.moment_bytes}" + (f" + pinned {e:g} B gradient and value buffers" if e < 4 else "")
+                        f"{2 * cand.moment_bytes}" + (f" + pinned transfer buffers {pinned:g}" if pinned else "")
                         + " (host memory, not the GPU's)", counted=False))
     return out
 
@@ -612,8 +613,7 @@ def host_bytes_per_element(profile: ModelProfile, cand: Candidate) -> float:
     """Host bytes of an offloaded element (moecompile.optimizer_offload.to_host): an fp32 master and its gradient
     whatever the model's dtype, the AdamW moments, and for a low-precision model the pinned buffers its gradient
     and its new value cross PCIe in."""
-    e = profile.elem_bytes
-    return 4 + 4 + 2 * cand.moment_bytes + (2 * e if e < 4 else 0)
+    return 4 + 4 + 2 * cand.moment_bytes + transfer_bytes(profile.elem_bytes, cand.grad_bytes)
 
 
 def _offload_term(profile: ModelProfile, cluster: Cluster, cand: Candidate, elements: float, gbytes: float,

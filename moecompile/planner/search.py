@@ -28,9 +28,9 @@ from ..errors import MoecompileError, PlanError
 from ..plan import Plan
 from .cluster import Cluster
 from .cost_model import Candidate, Estimate, estimate, static_memory
+from .profile import ModelProfile
 
 OFFLOAD_STEP = 0.05  # the offload shares the search gives a plan: the least multiple of this that fits
-from .profile import ModelProfile
 
 RECOMPUTE_SETS: tuple[tuple[str, ...], ...] = ((), ("moe_act", "layernorm"), ("moe",), ("moe", "attention"))
 FP8_RECIPES: tuple[str, ...] = ("none", "tensorwise", "blockwise")
