@@ -27,10 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Callable, Iterator
+import itertools
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
+import torch.optim.optimizer as optim_hooks
 
 from .errors import MoecompileError
 from .grad_sync import Shard
@@ -156,7 +158,7 @@ def check(optimizer: torch.optim.Optimizer, updates: list[Update]) -> None:
     """Refuse an optimizer that cannot step in two parts: one whose update of a tensor reads the others'.
 
     Every torch.optim optimizer but LBFGS updates each tensor from its own gradient and state (step
-    counts included); a custom one must too, and its step hooks run once for each part.
+    counts included); a custom one must too. Its step hooks still run once a step (:func:`step`).
     """
     if any(isinstance(u, HostUpdate) for u in updates) and isinstance(optimizer, torch.optim.LBFGS):
         raise MoecompileError(
@@ -178,12 +180,42 @@ def step(optimizer: torch.optim.Optimizer, updates: list[Update], device: torch.
         arrived = torch.cuda.Event()
         arrived.record()
     on_host = {id(u.tensor) for u in host}
-    with _only(optimizer, lambda p: id(p) not in on_host) as any_left:
-        if any_left:
-            optimizer.step()  # queued on the device; runs while the host part below does
-    if arrived is not None:
-        arrived.synchronize()
-    for u in host:
-        u.grad_arrived()
-    with _only(optimizer, lambda p: id(p) in on_host, fused=True):
-        optimizer.step()
+    with _hooks_once(optimizer) as step_part:
+        with _only(optimizer, lambda p: id(p) not in on_host) as any_left:
+            if any_left:
+                step_part()  # queued on the device; runs while the host part below does
+        if arrived is not None:
+            arrived.synchronize()
+        for u in host:
+            u.grad_arrived()
+        with _only(optimizer, lambda p: id(p) in on_host, fused=True):
+            step_part()
+
+
+@contextlib.contextmanager
+def _hooks_once(optimizer: torch.optim.Optimizer) -> Iterator[Callable[[], Any]]:
+    """Yield the optimizer's step without its hooks, and run the hooks once around it, with the whole groups.
+
+    Each part is a ``step()`` of its own, and torch runs an optimizer's step hooks in every call: a
+    post-hook keeping an EMA of the weights would decay it twice a step, and a pre-hook would see
+    half the tensors. So, as one ``optimizer.step()`` does: the pre-hooks (global, then the
+    optimizer's) before the first part, the post-hooks after the last, and a learning-rate
+    scheduler told the optimizer stepped.
+    """
+    hooked = type(optimizer).step
+    if not getattr(hooked, "hooked", False):  # a step torch did not wrap runs no hooks: call it as it is
+        yield optimizer.step
+        return
+    unhooked = hooked.__wrapped__
+    args, kwargs = (optimizer,), {}
+    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
+        for pre in itertools.chain(optim_hooks._global_optimizer_pre_hooks.values(),
+                                   optimizer._optimizer_step_pre_hooks.values()):
+            changed = pre(optimizer, args, kwargs)
+            if changed is not None:
+                args, kwargs = changed
+        yield lambda: unhooked(*args, **kwargs)
+        for post in itertools.chain(optimizer._optimizer_step_post_hooks.values(),
+                                    optim_hooks._global_optimizer_post_hooks.values()):
+            post(optimizer, args, kwargs)
+    optimizer._opt_called = True  # what torch.optim.lr_scheduler's wrapper of step() records

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import moecompile as mc
 from moecompile.data import ByteBatches, stdlib_bytes
@@ -113,6 +114,44 @@ def test_an_optimizer_that_reads_every_tensor_at_once_is_refused():
     with pytest.raises(mc.MoecompileError, match="LBFGS updates all parameters as one vector"):
         make_step(0.5, optimizer=lambda ps: torch.optim.LBFGS(ps))
     make_step(0.0, optimizer=lambda ps: torch.optim.LBFGS(ps))  # nothing offloaded: one part, as before
+
+
+def test_step_hooks_run_once_a_step_over_all_the_tensors_as_without_offload(data, recwarn):
+    """The two parts are two step()s inside; a hook, a global hook and a scheduler see one, over every tensor."""
+
+    def hooked(offload: float) -> tuple[mc.TrainStep, list, dict]:
+        _, step = make_step(offload)
+        opt, calls, ema = step.optimizer, [], {}
+
+        def seen(o: torch.optim.Optimizer) -> int:
+            return sum(p.grad is not None for g in o.param_groups for p in g["params"])
+
+        def decay(o: torch.optim.Optimizer, args, kwargs) -> None:  # an EMA of the weights, as a post-hook keeps one
+            calls.append(("post", seen(o)))
+            for p in (p for g in o.param_groups for p in g["params"]):
+                k = id(p)
+                ema[k] = p.detach().clone() if k not in ema else 0.9 * ema[k] + 0.1 * p.detach()
+
+        handles = [opt.register_step_pre_hook(lambda o, a, k: calls.append(("pre", seen(o)))),
+                   opt.register_step_post_hook(decay),
+                   register_optimizer_step_post_hook(lambda o, a, k: calls.append(("global", 0)))]
+        schedule = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+        try:
+            for i in range(STEPS):
+                step(data[i])
+                schedule.step()
+        finally:
+            for h in handles:
+                h.remove()
+        return step, calls, ema
+
+    plain, plain_calls, plain_ema = hooked(0.0)
+    offloaded, calls, ema = hooked(0.5)
+    assert any(isinstance(u, HostUpdate) for u in offloaded.updates)
+    assert calls == plain_calls == [("pre", len(plain.updates)), ("post", len(plain.updates)), ("global", 0)] * STEPS
+    assert [torch.equal(a, b) for a, b in zip(ema.values(), plain_ema.values())] == [True] * len(plain_ema)
+    assert [g["lr"] for g in offloaded.optimizer.param_groups] == [g["lr"] for g in plain.optimizer.param_groups]
+    assert not [w for w in recwarn if "lr_scheduler" in str(w.message)]  # the scheduler saw the optimizer step
 
 
 def test_a_share_outside_0_to_1_or_a_full_capture_is_a_plan_error():
