@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -23,8 +23,8 @@ from .bucket_layout import expert_parameters, param_reads
 from .costs import human
 from .errors import MoecompileError
 from .memory import CATEGORIES, ActivationProfile, profile_activations
-from .memory_shards import optimizer_ranks, ranged_bytes, sharded_state
-from .optimizer_offload import offloaded_share, transfer_bytes
+from .memory_shards import bucket_layout, optimizer_rank, optimizer_ranks, rank_shards, ranged_bytes, sharded_state
+from .optimizer_offload import offloaded_count, transfer_bytes
 
 _OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
 
@@ -130,7 +130,7 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
                     master_weights: bool | None = None, by_pass: bool = True, shard_optimizer: bool | None = None,
                     dp: int | None = None, shard_gradients: bool | None = None, bucket_mb: float = 25.0,
                     shard_parameters: bool | None = None, backend: str | None = None,
-                    offload_optimizer: float | None = None) -> MemoryEstimate:
+                    offload_optimizer: float | None = None, rank: int | None = None) -> MemoryEstimate:
     """Per-rank memory of ``result`` (a ConversionResult) for a training step; nothing real runs.
 
     On an expert-parallel graph (``parallel.ep`` > 1, converted on this rank) every figure is this
@@ -146,8 +146,9 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
 
     ``shard_optimizer`` (None: ``plan.parallel.shard_optimizer``): ZeRO-1, the optimizer states,
     masters and the masters' grads are this rank's range only: dense parameters' over ``dp`` ranks,
-    experts' over ``edp = dp / ep``; parameters and model-dtype grads stay whole (build_train_step's
-    ranges also hold alignment padding: within 2 % on a tiny model). ``dp``: the data-parallel world
+    experts' over ``edp = dp / ep`` (taken as an even split of the elements: build_train_step cuts its ranges at
+    aligned offsets, so a rank's differ, within 2 % on a tiny model; exact with ``offload_optimizer``, below);
+    parameters and model-dtype grads stay whole. ``dp``: the data-parallel world
     size of the run to estimate; None takes the result's world (1 for a single-process conversion,
     where sharding changes nothing). A single-process ``ep=1`` conversion holds what every rank of an
     ``ep=1`` run holds, so ``dp=4`` estimates one rank of 4; for ``ep > 1`` convert under the world
@@ -172,8 +173,10 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
     build_train_step keeps in host memory (whole tensors in parameter order, so at least that share:
     ``offload_optimizer`` reports the share reached). Their state, fp32 masters (made for fp32 parameters
     too) and the masters' grads leave the device figures for ``host_optimizer``, with the pinned buffers
-    their gradients and values cross in on CUDA. Under shard_optimizer the share is taken over whole
-    parameters' sizes and applied to the rank's ranges (the runtime takes it over the ranges).
+    their gradients and values cross in on CUDA. Under shard_optimizer the host part is the leading tensors of
+    this rank's ranges (padding excluded), as the runtime picks them, so ``host_optimizer``, the device's optimizer
+    and masters, and ``offload_optimizer`` are that rank's exactly; ``rank`` (None: the result's own, or 0 for a
+    single-process conversion) names the data-parallel rank of the ``dp`` estimated, as ranks' ranges differ.
     """
     if optimizer not in _OPTIMIZER_STATES:
         raise MoecompileError(f"estimate_memory: optimizer {optimizer!r} unknown; use one of {', '.join(_OPTIMIZER_STATES)}")
@@ -198,7 +201,7 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
     if master_weights is None:  # build_train_step: bf16 parameters train through fp32 masters
         master_weights = any(p.dtype != torch.float32 for p in trainable.values())
     shard, dp, edp = optimizer_ranks(result, shard_optimizer, dp, ep)
-    ranged = ranged_bytes(trainable, experts, dp if shard else 1, edp if shard else 1)
+    rank = optimizer_rank(result, rank, dp)
     if shard_gradients is None:
         shard_gradients = result.plan.parallel.shard_gradients and shard_optimizer is not False
     if shard_gradients and not shard:
@@ -212,26 +215,26 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
                               "parameters of the ranges whose gradients ZeRO-2 keeps): pass shard_gradients=True "
                               "and shard_optimizer=True too, or shard_parameters=False")
     # this rank's ranges, the whole gradient buckets backward fills and sends, the parameter buckets gathered
+    reads = param_reads(gm)
     mine, g_bytes, in_flight, gathered = sharded_state(trainable, experts, dp, edp, bucket_mb,
                                                        grads=bool(shard_gradients), params=bool(shard_parameters),
-                                                       reads=param_reads(gm),
-                                                       exchange=_backend(backend, trainable) == "gloo")
+                                                       reads=reads, exchange=_backend(backend, trainable) == "gloo")
     p_bytes = mine + gathered + sum(p.numel() * p.element_size() for p in named.values() if not p.requires_grad)
-    m_bytes = ranged(lambda p: 4) if master_weights else 0  # the masters and, as much, their fp32 .grad
-    if state_dtype is not None:
-        size = torch.empty((), dtype=state_dtype).element_size()
-        state_bytes = ranged(lambda p: size)
-    else:
-        state_bytes = ranged(lambda p: 4 if master_weights else p.element_size())
     offload = result.plan.parallel.offload_optimizer if offload_optimizer is None else offload_optimizer
     if not 0.0 <= offload <= 1.0:
         raise MoecompileError(f"estimate_memory: offload_optimizer={offload!r} is a share of the optimizer's "
                               "elements, from 0 to 1")
-    share = offloaded_share([p.numel() for p in trainable.values()], offload)
-    state_bytes *= _OPTIMIZER_STATES[optimizer]
-    # + the fp32 master and its grad, and on CUDA the pinned buffers the gradient and value cross PCIe in
-    host = round(share * (state_bytes + ranged(lambda p: 8 + (transfer_bytes(p.element_size()) if p.is_cuda else 0))))
-    state_bytes, m_bytes = round((1 - share) * state_bytes), round((1 - share) * m_bytes)
+    size = torch.empty((), dtype=state_dtype).element_size() if state_dtype is not None else None
+    state = lambda p: size or (4 if master_weights else p.element_size())  # noqa: E731  bytes per state per element
+    states = _OPTIMIZER_STATES[optimizer]
+    if shard and dp > 1 and not offload:  # this rank's ranges, as an even split (within 2 % of any rank's)
+        ranged = ranged_bytes(trainable, experts, dp, edp)
+        m_bytes = ranged(lambda p: 4) if master_weights else 0  # the masters and, as much, their fp32 .grad
+        state_bytes, host, share = states * ranged(state), 0, 0.0
+    else:
+        state_bytes, m_bytes, host, share = _optimizer_parts(
+            trainable, experts, (dp, edp, ep, rank) if shard and dp > 1 else None, bucket_mb, reads, offload,
+            states, state, master_weights)
     buf_bytes = sum(b.numel() * b.element_size() for b in gm.buffers())
     x_bytes = sum(named[n].numel() * named[n].element_size() for n in expert_parameters(gm) if n in named)
     by_layer: dict[str, dict[str, int]] = {}
@@ -254,6 +257,29 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
         shard_parameters=bool(shard_parameters), in_flight_params=gathered, offload_optimizer=share,
         host_optimizer=host,
     )
+
+
+def _optimizer_parts(trainable: dict[str, torch.nn.Parameter], experts: set[str],
+                     ranks: tuple[int, int, int, int] | None, bucket_mb: float, reads: dict[str, tuple[int, int]],
+                     offload: float, states: int, state: Callable[[torch.nn.Parameter], int],
+                     masters: bool) -> tuple[int, int, int, float]:
+    """(device optimizer state, device masters, host bytes, share offloaded) over the tensors the optimizer updates,
+    in parameter order: whole parameters, or under ``ranks`` (dp, edp, ep, rank) that rank's parts of them
+    (memory_shards.rank_shards). The leading ones are in host memory, as the runtime picks them (offloaded_count)."""
+    parts = [(p, p.numel()) for p in trainable.values()]
+    if ranks is not None:
+        dp, edp, ep, rank = ranks
+        layout = bucket_layout(trainable, experts, dp, edp, bucket_mb, {n: f for n, (f, _) in reads.items()})
+        parts = [(trainable[s.name], s.hi - s.lo) for s in rank_shards(trainable, layout, rank, ep)]
+    n = offloaded_count([k for _, k in parts], offload)
+    host_parts, kept = parts[:n], parts[n:]
+    total = sum(k for _, k in parts)
+    share = sum(k for _, k in host_parts) / total if total else 0.0
+    m_bytes = sum(4 * k for _, k in kept) if masters else 0  # the masters and, as much, their fp32 .grad
+    # host: the state, the fp32 master and its grad, and on CUDA the pinned buffers the gradient and value cross in
+    host = sum(k * (states * state(p) + 8 + (transfer_bytes(p.element_size()) if p.is_cuda else 0))
+               for p, k in host_parts)
+    return states * sum(k * state(p) for p, k in kept), m_bytes, host, share
 
 
 def _backend(backend: str | None, trainable: dict[str, torch.nn.Parameter]) -> str:

@@ -23,7 +23,7 @@ from . import grad_hooks
 from .bucket_layout import backward_order, bucket_offsets, cut_buckets
 from .errors import MoecompileError
 from .grad_shards import GradientShards
-from .grad_sync import Bucket
+from .grad_sync import Bucket, GradBuckets, Shard
 
 # Whole sharded parameter buckets the planner prices as gathered at once under ZeRO-3 where it has no parameter
 # layout to simulate (pipeline stages; planner/whole_buckets.py): a layer's two expert weight tensors read together
@@ -41,6 +41,20 @@ def optimizer_ranks(result: Any, shard: bool | None, dp: int | None, ep: int) ->
                               f"multiple of parallel.ep={ep} (each ep group of ranks holds every expert once)")
     shard = result.plan.parallel.shard_optimizer if shard is None else bool(shard)
     return shard, dp, dp // ep
+
+
+def optimizer_rank(result: Any, rank: int | None, dp: int) -> int:
+    """The data-parallel rank ``estimate_memory`` estimates: ``rank``, or the result's own (its world's), else 0."""
+    if rank is None:
+        world = getattr(getattr(result, "context", None), "world", None)
+        rank = world.rank if world is not None else 0
+        if rank >= dp:
+            raise MoecompileError(f"estimate_memory: the result was converted on rank {rank}, outside the dp={dp} "
+                                  f"ranks estimated; pass rank= (0 to {dp - 1}) to say which of them to estimate")
+    elif not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < dp:
+        raise MoecompileError(f"estimate_memory: rank={rank!r} must be one of the run's data-parallel ranks, 0 to "
+                              f"{dp - 1} (dp={dp}); pass dp= too to estimate a rank of a larger run")
+    return rank
 
 
 def ranged_bytes(trainable: dict[str, torch.nn.Parameter], experts: set[str], dp: int,
@@ -65,6 +79,7 @@ class BucketShape:
     ranks: int  # the ranks it is split over (1: kept whole)
     numel: int  # elements, with ALIGN_BYTES alignment and the padding to whole ranges when split
     elem: int  # bytes per element
+    kind: str = "dense"  # "dense" (split over dp) | "expert" (over edp)
 
     @property
     def nbytes(self) -> int:
@@ -80,8 +95,38 @@ def bucket_layout(trainable: dict[str, torch.nn.Parameter], experts: set[str], d
     for kind, chunk in cut_buckets(named, experts, bucket_mb):
         d = dp if kind == "dense" else edp
         _, numel = bucket_offsets([p for _, p in chunk], d)
-        out.append(BucketShape(tuple(n for n, _ in chunk), d, numel, chunk[0][1].element_size()))
+        out.append(BucketShape(tuple(n for n, _ in chunk), d, numel, chunk[0][1].element_size(), kind))
     return out
+
+
+class _Laid:
+    """GradBuckets' part its ``shards()`` reads: the buckets, here on meta tensors."""
+
+    shards = GradBuckets.shards  # the runtime's own: a rank's part of each parameter, from its buckets' ranges
+
+    def __init__(self, buckets: list[Bucket]):
+        self.buckets = buckets
+
+
+def rank_shards(trainable: dict[str, nn.Parameter], layout: list[BucketShape], rank: int, ep: int) -> list[Shard]:
+    """What build_train_step's optimizer updates on data-parallel rank ``rank`` (its Shards: [lo, hi) of each
+    parameter, padding excluded), in parameter order as train_step sorts them: GradBuckets.shards run over
+    ``layout`` on meta tensors. The rank's index is ``rank`` in a dense bucket's group (dp: every rank) and
+    ``rank // ep`` in an expert bucket's (edp; distributed.World's edp_rank). ``Shard.param`` is a meta stand-in:
+    the parameter is ``trainable[shard.name]``."""
+    buckets = []
+    for shape in layout:
+        params = [nn.Parameter(torch.empty(trainable[n].shape, dtype=trainable[n].dtype, device="meta"))
+                  for n in shape.names]
+        offsets, numel = bucket_offsets(params, shape.ranks)
+        flat = torch.empty(numel, dtype=params[0].dtype, device="meta")
+        views = [flat[o : o + p.numel()].view_as(p) for o, p in zip(offsets, params)]
+        split = shape.ranks > 1
+        buckets.append(Bucket(shape.kind, None, flat, params, views, list(shape.names), offsets, shards=shape.ranks,
+                              rank=(rank if shape.kind == "dense" else rank // ep) if split else 0,
+                              param_flat=flat if split else None))
+    order = {name: i for i, name in enumerate(trainable)}
+    return sorted(_Laid(buckets).shards(), key=lambda s: order[s.name])
 
 
 def gathered_peak(buckets: list[BucketShape], reads: dict[str, tuple[int, int]]) -> int:
