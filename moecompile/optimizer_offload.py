@@ -84,15 +84,17 @@ class HostUpdate(Update):
         if self.grad_in is not None:
             self.tensor.grad.copy_(self.grad_in)
 
+    def stage(self) -> None:
+        """The master's new values, cast to the parameter's dtype, into the pinned buffer they go up from."""
+        if self.values_out is not None:
+            with torch.no_grad():
+                self.values_out.copy_(self.tensor)
+
     def write_back(self) -> None:
         """The master's new values into the parameter (asynchronous on CUDA, from pinned memory)."""
+        self.stage()
         with torch.no_grad():
-            values = self.shard.values()
-            if self.values_out is not None:
-                self.values_out.copy_(self.tensor)
-                values.copy_(self.values_out, non_blocking=True)
-            else:
-                values.copy_(self.tensor, non_blocking=True)
+            self.shard.values().copy_(self.tensor if self.values_out is None else self.values_out, non_blocking=True)
 
     def nbytes(self) -> int:
         """Host bytes of the master, its gradient and the transfer buffers (the optimizer's state not included)."""
@@ -100,9 +102,13 @@ class HostUpdate(Update):
         return sum(t.numel() * t.element_size() for t in held if t is not None)
 
 
-def to_host(shard: Shard, device: torch.device) -> HostUpdate:
-    """An fp32 master of ``shard``'s values and its gradient, in host memory (pinned for a CUDA device)."""
+def to_host(shard: Shard, device: torch.device, buffers: bool | None = None) -> HostUpdate:
+    """An fp32 master of ``shard``'s values and its gradient, in host memory (pinned for a CUDA device).
+
+    ``buffers``: the transfer buffers where the dtypes differ (None: for a CUDA device; True on the CPU
+    gives the host the work of a CUDA run, for planner/host_bench.py to time)."""
     pin = device.type == "cuda"
+    buffered = pin if buffers is None else buffers
     values = shard.values().detach()
     dtype = torch.promote_types(values.dtype, torch.float32)
 
@@ -115,8 +121,8 @@ def to_host(shard: Shard, device: torch.device) -> HostUpdate:
     master.grad = host(dtype)
     grad_dtype = shard.grad.dtype
     return HostUpdate(shard, master, True,
-                      grad_in=host(grad_dtype) if pin and grad_dtype != dtype else None,
-                      values_out=host(values.dtype) if pin and values.dtype != dtype else None)
+                      grad_in=host(grad_dtype) if buffered and grad_dtype != dtype else None,
+                      values_out=host(values.dtype) if buffered and values.dtype != dtype else None)
 
 
 def transfer_bytes(elem_bytes: float, grad_bytes: float | None = None) -> float:
@@ -186,10 +192,18 @@ def step(optimizer: torch.optim.Optimizer, updates: list[Update], device: torch.
                 step_part()  # queued on the device; runs while the host part below does
         if arrived is not None:
             arrived.synchronize()
-        for u in host:
-            u.grad_arrived()
-        with _only(optimizer, lambda p: id(p) in on_host, fused=True):
-            step_part()
+        update_on_host(optimizer, host, step_part)
+
+
+def update_on_host(optimizer: torch.optim.Optimizer, host: list[HostUpdate],
+                   step_part: Callable[[], Any] | None = None) -> None:
+    """The CPU's part of a step, once the gradients are in: each to fp32, and the optimizer's step over the host
+    tensors only (``step_part``: the step to call, :func:`step`'s without hooks; None: ``optimizer.step``)."""
+    for u in host:
+        u.grad_arrived()
+    on_host = {id(u.tensor) for u in host}
+    with _only(optimizer, lambda p: id(p) in on_host, fused=True):
+        (step_part or optimizer.step)()
 
 
 @contextlib.contextmanager
