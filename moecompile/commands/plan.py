@@ -11,6 +11,10 @@ import argparse
 import dataclasses
 import json
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..planner import Cluster
 
 HELP = "Rank the plans that fit a cluster by predicted step time; write the best as plan.yaml."
 
@@ -41,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="parallel.offload_optimizer: auto gives a plan that does not fit otherwise the least share "
                         "of its optimizer in host memory that makes it fit (slower: PCIe and a CPU update); off "
                         "keeps every plan's optimizer on the GPU")
+    p.add_argument("--host-efficiency", default=None, metavar="F|measure",
+                   help="the share of the host's DRAM bandwidth a CPU optimizer update reaches, which prices "
+                        "offload (default: the preset's assumption, 0.5); measure: time this machine's update, as "
+                        "a host of the cluster serving its GPUs (run it on one of the cluster's nodes)")
     p.add_argument("--top", type=int, default=5, help="plans to show")
     p.add_argument("--explain", action="store_true", help="print every term of the best plan's estimate")
     p.add_argument("--out", default=None, help="write the best plan here (plan.yaml)")
@@ -48,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..errors import MoecompileError
-    from ..planner import SearchSpace, plan_for
+    from ..planner import SearchSpace, plan_for, preset
 
     try:
         experts = json.loads(args.experts) if args.experts else None
@@ -74,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
             space = dataclasses.replace(space, moment_bytes=2)
         if args.offload_optimizer == "off":
             space = dataclasses.replace(space, offload_optimizer=False)
-        report = plan_for(args.model, args.cluster, gpus=args.gpus, global_batch=args.global_batch,
+        cluster = _with_host_efficiency(preset(args.cluster, args.gpus), args.host_efficiency, args.adam_moments)
+        report = plan_for(args.model, cluster, global_batch=args.global_batch,
                           seq_len=args.seq_len, experts=experts, space=space,
                           progress=lambda msg: print(f"... {msg}", file=sys.stderr, flush=True))
     except (MoecompileError, json.JSONDecodeError) as e:
@@ -97,3 +106,25 @@ def run(args: argparse.Namespace) -> int:
             print("its optimizer keeps AdamW's moments in bf16: build_train_step(..., optimizer=lambda ps: "
                   "moecompile.AdamW(ps, moment_dtype=torch.bfloat16)) (moecompile train --adam-moments bf16)")
     return 0
+
+
+def _with_host_efficiency(cluster: Cluster, value: str | None, moments: str) -> Cluster:
+    """The cluster with ``--host-efficiency``: given, measured on this machine (said on stdout), or the preset's."""
+    import torch
+
+    from ..errors import MoecompileError
+    from ..planner.host_bench import measure_host_update
+
+    if value is None:
+        return cluster
+    if value == "measure":
+        print(f"... timing the offloaded optimizer update as {cluster.host_gpus} GPUs' ranks would run it on this "
+              "host", file=sys.stderr, flush=True)
+        rate = measure_host_update(cluster.host_gpus,
+                                   moment_dtype=torch.bfloat16 if moments == "bf16" else torch.float32)
+        print(rate.describe(cluster))
+        return rate.applied_to(cluster)
+    try:
+        return dataclasses.replace(cluster, host_efficiency=float(value))
+    except ValueError:
+        raise MoecompileError(f"--host-efficiency {value!r} must be a share in (0, 1] or 'measure'") from None

@@ -73,12 +73,16 @@ class Cluster:
     pcie_bandwidth: float = 0.0  # per GPU and direction, bytes/s (GB200: NVLink-C2C)
     host_efficiency: float = SPEC_HOST_EFFICIENCY
     host_usable_fraction: float = SPEC_HOST_USABLE_FRACTION
+    gpus_per_host: int = 0  # GPUs whose optimizers share one host's DRAM and cores (0: a node's, gpus_per_node)
     source: str = ""  # where the figures come from
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpus_per_node < 1:
             raise MoecompileError(f"cluster {self.name!r}: gpus ({self.gpus}) and gpus_per_node "
                                   f"({self.gpus_per_node}) must be >= 1")
+        if self.gpus_per_host < 0:
+            raise MoecompileError(f"cluster {self.name!r}: gpus_per_host={self.gpus_per_host} must be >= 1 (or 0: "
+                                  "a node's GPUs share one host)")
         for f in ("gemm_efficiency", "hbm_efficiency", "link_efficiency", "usable_memory_fraction",
                   "host_efficiency", "host_usable_fraction"):
             v = getattr(self, f)
@@ -106,6 +110,11 @@ class Cluster:
     def can_offload(self) -> bool:
         """Whether the cluster has host memory and a path to it to offload the optimizer to."""
         return self.host_memory_bytes > 0 and self.host_bandwidth > 0 and self.pcie_bandwidth > 0
+
+    @property
+    def host_gpus(self) -> int:
+        """GPUs one host serves: their offloaded optimizers step side by side on its cores and DRAM."""
+        return self.gpus_per_host or self.gpus_per_node
 
     @property
     def usable_host_memory(self) -> float:
@@ -188,7 +197,7 @@ _PRESETS: dict[str, dict] = {
     "gb200": dict(
         gpus_per_node=72, memory_bytes=186 * GB, bf16_flops=2.5e15, fp8_flops=5.0e15, hbm_bandwidth=8.0e12,
         intra=Link(900 * GB, 5e-6), inter=Link(50 * GB, 10e-6),
-        host_memory_bytes=240 * GB, host_bandwidth=256 * GB, pcie_bandwidth=225 * GB,
+        host_memory_bytes=240 * GB, host_bandwidth=256 * GB, pcie_bandwidth=225 * GB, gpus_per_host=2,
         source="NVIDIA GB200 NVL72 spec per GPU (rack 720/360 PF FP8/BF16 sparse, 13.4 TB, 576 TB/s, NVLink5 1.8 TB/s)",
     ),
 }

@@ -616,6 +616,14 @@ def host_bytes_per_element(profile: ModelProfile, cand: Candidate) -> float:
     return 4 + 4 + 2 * cand.moment_bytes + transfer_bytes(profile.elem_bytes, cand.grad_bytes)
 
 
+def host_update_bytes(elem_bytes: float, grad_bytes: float, moment_bytes: float) -> float:
+    """DRAM bytes the CPU moves to update one offloaded element (moecompile.optimizer_offload.update_on_host, then
+    the value staged): the fp32 master and the moments read and written, the fp32 gradient read, and the received
+    gradient and the new value cast where the model's dtype is not fp32."""
+    return (2 * (4 + 2 * moment_bytes) + 4 + (grad_bytes + 4 if grad_bytes < 4 else 0)
+            + (4 + elem_bytes if elem_bytes < 4 else 0))
+
+
 def _offload_term(profile: ModelProfile, cluster: Cluster, cand: Candidate, elements: float, gbytes: float,
                   t_device: float) -> Term:
     """The offloaded part of the step: gradients down, a CPU AdamW, values up, beyond the device's part it runs
@@ -625,9 +633,7 @@ def _offload_term(profile: ModelProfile, cluster: Cluster, cand: Candidate, elem
     if link <= 0 or host <= 0:
         return Term("optimizer offload", float("inf"), f"{cluster.name} has no host memory or link to offload to")
     down, up = elements * gbytes / link, elements * e / link
-    # the host AdamW: fp32 master and moments read and written, the fp32 gradient read; the received gradient
-    # and the new value cast where the model's dtype is not fp32
-    per = 2 * (4 + 2 * cand.moment_bytes) + 4 + (gbytes + 4 if gbytes < 4 else 0) + (4 + e if e < 4 else 0)
+    per = host_update_bytes(e, gbytes, cand.moment_bytes)
     t_host = elements * per / host
     path = down + t_host + up
     return Term("optimizer offload", max(0.0, path - t_device),
