@@ -6,7 +6,7 @@
 The cost model prices the CPU's part of an offloaded step at the host's DRAM bandwidth times
 ``Cluster.host_efficiency``, an assumption (0.5 of the spec) until measured. This runs what the
 CPU does in a CUDA run (moecompile.optimizer_offload.update_on_host, then the new values staged
-for the copy up), in ``processes`` concurrent processes (the GPUs one host serves: their updates
+for the copy up; freed host memory kept, as the step keeps it), in ``processes`` concurrent processes (the GPUs one host serves: their updates
 contend for its cores and DRAM as a real job's do), each with its share of the cores, and keeps
 the fastest of several runs. The copies over PCIe are not the CPU's work (DMA) and are not timed.
 The figure is this machine's: run it on a node of the cluster you plan for.
@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from ..errors import MoecompileError
 from ..grad_sync import Shard
+from ..host_memory import keep_freed_memory
 from ..optimizer_offload import to_host, update_on_host
 from .cluster import GB, Cluster
 from .cost_model import host_update_bytes
@@ -96,6 +97,7 @@ def _update_rank(rank: int, world: int, elements: int, dtype: torch.dtype, momen
     together)."""
     import torch.distributed as dist
 
+    keep_freed_memory()  # as build_train_step does with the optimizer offloaded: temporaries reuse the heap
     param = nn.Parameter(torch.randn(elements, dtype=dtype))
     grad = torch.randn(elements, dtype=dtype)
     update = to_host(Shard("bench", param, 0, elements, grad, ((0, elements),)), torch.device("cpu"), buffers=True)
