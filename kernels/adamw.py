@@ -14,8 +14,12 @@ and writes m, v, p once.
 A plain function, not a ``torch.library`` op: an optimizer step is never traced or exported, and a
 captured step records the kernel it launches as it is.
 """
+import functools
+
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from . import backend
 
@@ -49,3 +53,37 @@ def adamw_update(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step_size: Tensor, 
 
 
 backend.register("adamw_update", adamw_update_ref, triton="adamw_triton:adamw_update")
+
+
+class _Traffic(TorchDispatchMode):
+    """Bytes each op moves over memory, one pass per op: its tensor inputs read (a copy's destination is only
+    written, views move nothing) and its outputs written. 0-dim tensors (the hyperparameters) are not counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not func.is_view:
+            inputs = args[1:] if func is torch.ops.aten.copy_.default else args
+            read = {id(t): t for t in tree_leaves((inputs, kwargs)) if isinstance(t, Tensor) and t.dim()}
+            written = [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.dim()]
+            self.bytes += sum(t.nbytes for t in (*read.values(), *written))
+        return out
+
+
+@functools.cache
+def reference_traffic(moment_dtype: torch.dtype, param_dtype: torch.dtype = torch.float32) -> float:
+    """Bytes per element :func:`adamw_update_ref` moves over memory (with an fp32 gradient): one pass per op, counted
+    from its own ops on meta tensors. The Triton body, like torch's fused AdamW, makes one pass in all; the
+    reference is what runs on a CPU, so the planner prices an offloaded update of these moments with it."""
+    n = 1024
+    p = torch.empty(n, dtype=param_dtype, device="meta")
+    g = torch.empty(n, device="meta")
+    m, v = (torch.empty(n, dtype=moment_dtype, device="meta") for _ in range(2))
+    scalar = torch.empty((), dtype=torch.float64, device="meta")
+    with _Traffic() as traffic:
+        adamw_update_ref(p, g, m, v, scalar, scalar, lr=1e-3, weight_decay=0.0, beta1=0.9, beta2=0.999, eps=1e-8)
+    return traffic.bytes / n
