@@ -126,8 +126,12 @@ def test_router_dtype_float32_routes_a_bf16_model_in_fp32(llama, ids, router_dty
     routers = nodes_with_role(result.module.graph, Role.ROUTER)
     logits = [n for n in routers if n.target is torch.ops.aten.linear.default]
     assert len(logits) == 2 and all(n.meta["val"].dtype == want for n in logits)
+    params = dict(result.module.named_parameters())
+    with torch.no_grad():  # experts that differ, as after training (copies at init: the router's gradient is 0)
+        w = params["model.layers.0.mlp.experts.w_down"]
+        w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)).to(w.dtype), alpha=0.02)
     result.module(ids).logits.float().square().mean().backward()
-    router = dict(result.module.named_parameters())["model.layers.0.mlp.router.weight"]
+    router = params["model.layers.0.mlp.router.weight"]
     assert router.dtype == torch.bfloat16 and router.grad.abs().sum() > 0
 
 
