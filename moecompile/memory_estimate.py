@@ -23,7 +23,7 @@ from .bucket_layout import expert_parameters, param_reads
 from .costs import human
 from .errors import MoecompileError
 from .memory import CATEGORIES, ActivationProfile, profile_activations
-from .memory_shards import bucket_layout, optimizer_rank, optimizer_ranks, rank_shards, ranged_bytes, sharded_state
+from .memory_shards import bucket_layout, optimizer_rank, optimizer_ranks, rank_shards, sharded_state
 from .optimizer_offload import offloaded_count, transfer_bytes
 
 _OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0, "sgd_momentum": 1, "none": 0}
@@ -146,9 +146,9 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
 
     ``shard_optimizer`` (None: ``plan.parallel.shard_optimizer``): ZeRO-1, the optimizer states,
     masters and the masters' grads are this rank's range only: dense parameters' over ``dp`` ranks,
-    experts' over ``edp = dp / ep`` (taken as an even split of the elements: build_train_step cuts its ranges at
-    aligned offsets, so a rank's differ, within 2 % on a tiny model; exact with ``offload_optimizer``, below);
-    parameters and model-dtype grads stay whole. ``dp``: the data-parallel world
+    experts' over ``edp = dp / ep``, the parts of the parameters build_train_step's ranges give the rank
+    ``rank`` (below; they are cut at aligned offsets, so ranks' differ); parameters and model-dtype grads stay
+    whole. ``dp``: the data-parallel world
     size of the run to estimate; None takes the result's world (1 for a single-process conversion,
     where sharding changes nothing). A single-process ``ep=1`` conversion holds what every rank of an
     ``ep=1`` run holds, so ``dp=4`` estimates one rank of 4; for ``ep > 1`` convert under the world
@@ -227,14 +227,9 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
     size = torch.empty((), dtype=state_dtype).element_size() if state_dtype is not None else None
     state = lambda p: size or (4 if master_weights else p.element_size())  # noqa: E731  bytes per state per element
     states = _OPTIMIZER_STATES[optimizer]
-    if shard and dp > 1 and not offload:  # this rank's ranges, as an even split (within 2 % of any rank's)
-        ranged = ranged_bytes(trainable, experts, dp, edp)
-        m_bytes = ranged(lambda p: 4) if master_weights else 0  # the masters and, as much, their fp32 .grad
-        state_bytes, host, share = states * ranged(state), 0, 0.0
-    else:
-        state_bytes, m_bytes, host, share = _optimizer_parts(
-            trainable, experts, (dp, edp, ep, rank) if shard and dp > 1 else None, bucket_mb, reads, offload,
-            states, state, master_weights)
+    state_bytes, m_bytes, host, share = _optimizer_parts(
+        trainable, experts, (dp, edp, ep, rank) if shard and dp > 1 else None, bucket_mb, reads, offload,
+        states, state, master_weights)
     buf_bytes = sum(b.numel() * b.element_size() for b in gm.buffers())
     x_bytes = sum(named[n].numel() * named[n].element_size() for n in expert_parameters(gm) if n in named)
     by_layer: dict[str, dict[str, int]] = {}

@@ -12,9 +12,8 @@ sharded buckets gathered while forward or backward reads them (moecompile/param_
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -55,20 +54,6 @@ def optimizer_rank(result: Any, rank: int | None, dp: int) -> int:
         raise MoecompileError(f"estimate_memory: rank={rank!r} must be one of the run's data-parallel ranks, 0 to "
                               f"{dp - 1} (dp={dp}); pass dp= too to estimate a rank of a larger run")
     return rank
-
-
-def ranged_bytes(trainable: dict[str, torch.nn.Parameter], experts: set[str], dp: int,
-                 edp: int) -> Callable[[Callable], int]:
-    """Bytes of a per-element cost over the trainable parameters, for this rank's range: every (kind, dtype)
-    bucket is split into equal ranges, dense ones over ``dp`` ranks and expert ones over ``edp`` (1, 1: whole)."""
-
-    def total(nbytes: Callable[[torch.nn.Parameter], int]) -> int:
-        groups: collections.Counter[tuple[bool, torch.dtype, int]] = collections.Counter()
-        for name, p in trainable.items():
-            groups[(name in experts, p.dtype, nbytes(p))] += p.numel()
-        return sum(size * -(-count // (edp if expert else dp)) for (expert, _, size), count in groups.items())
-
-    return total
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,9 +6,9 @@
 The cost model prices the CPU's part of an offloaded step at the host's DRAM bandwidth times
 ``Cluster.host_efficiency``, an assumption (0.5 of the spec) until measured. This runs what the
 CPU does in a CUDA run (moecompile.optimizer_offload.update_on_host, then the new values staged
-for the copy up; freed host memory kept, as the step keeps it), in ``processes`` concurrent processes (the GPUs one host serves: their updates
-contend for its cores and DRAM as a real job's do), each with its share of the cores, and keeps
-the fastest of several runs. The copies over PCIe are not the CPU's work (DMA) and are not timed.
+for the copy up; freed host memory kept, as the step keeps it), in ``processes`` concurrent
+processes (the GPUs one host serves: their updates contend for its cores and DRAM as a real
+job's do), each with its share of the cores, and keeps the fastest of several runs. The copies over PCIe are not the CPU's work (DMA) and are not timed.
 The figure is this machine's: run it on a node of the cluster you plan for.
 """
 
