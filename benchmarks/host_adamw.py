@@ -9,8 +9,10 @@ This measures both sides of that on the machine it runs on: the bandwidth of a l
 as optimizer_offload holds them, in each implementation torch has for CPU tensors (the for-loop
 one torch picks by default, foreach, fused; freed host memory kept for reuse, as build_train_step
 does with the optimizer offloaded), counted in the cost model's bytes an element (master
-and both moments read and written, the gradient read: 28). Prints each one's GB/s and its ratio
-to the copy's: the efficiency the planner assumes. Rounds take turns; medians.
+and both moments read and written, the gradient read: 28). Beside them moecompile.AdamW (fp32 and
+bf16 moments), whose CPU update is its reference, one pass per op, counted as the planner counts it
+(kernels/adamw.py reference_traffic). Prints each one's GB/s and its ratio to the copy's: the
+efficiency the planner assumes; and its time against fused AdamW's. Rounds take turns; medians.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 BYTES_PER_ELEMENT = 2 * (4 + 2 * 4) + 4  # planner/cost_model.py's AdamW stream, fp32 moments and gradient
 IMPLEMENTATIONS = {"default (for-loop)": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+MOMENTS = {"moecompile.AdamW fp32 moments": torch.float32, "moecompile.AdamW bf16 moments": torch.bfloat16}
 
 
 def _elements(text: str) -> int:
@@ -38,13 +41,13 @@ def _copy_seconds(n: int) -> float:
     return time.perf_counter() - start
 
 
-def _adamw(n: int, tensors: int, options: dict) -> tuple[torch.optim.Optimizer, list[torch.nn.Parameter]]:
+def _adamw(n: int, tensors: int, build) -> torch.optim.Optimizer:
     params = [torch.nn.Parameter(torch.randn(n // tensors)) for _ in range(tensors)]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-3, **options)
+    opt = build(params)
     opt.step()  # builds the state
-    return opt, params
+    return opt
 
 
 def main() -> None:
@@ -59,23 +62,35 @@ def main() -> None:
 
     keep_freed_memory()  # as build_train_step does with the optimizer offloaded: temporaries reuse freed heap
     n = _elements(args.elements)
-    built = {name: _adamw(n, args.tensors, options) for name, options in IMPLEMENTATIONS.items()}
+    from moecompile import AdamW
+    from moecompile.kernels.adamw import reference_traffic
+
+    built, counted = {}, {}
+    for name, options in IMPLEMENTATIONS.items():
+        built["AdamW " + name] = _adamw(n, args.tensors, lambda ps: torch.optim.AdamW(ps, lr=1e-3, **options))
+        counted["AdamW " + name] = BYTES_PER_ELEMENT
+    for name, dtype in MOMENTS.items():  # its CPU update: the reference, a pass per op (the planner's count)
+        built[name] = _adamw(n, args.tensors, lambda ps: AdamW(ps, lr=1e-3, moment_dtype=dtype))
+        counted[name] = reference_traffic(dtype)
     times: dict[str, list[float]] = {name: [] for name in ["copy", *built]}
     for _ in range(args.rounds):
         times["copy"].append(_copy_seconds(n))
-        for name, (opt, _) in built.items():
+        for name, opt in built.items():
             start = time.perf_counter()
             opt.step()
             times[name].append(time.perf_counter() - start)
     copy_bw = 2 * 4 * n / statistics.median(times["copy"])
     print(f"{n / 1e6:.1f} M fp32 elements in {args.tensors} tensors, {args.threads} threads, median of "
           f"{args.rounds} rounds")
-    print(f"{'':<26} {'ms':>9} {'GB/s':>7} {'x copy':>7}")
-    print(f"{'copy (read+write)':<26} {statistics.median(times['copy']) * 1e3:>9.1f} {copy_bw / 1e9:>7.2f} {1:>7.2f}")
+    fused = statistics.median(times["AdamW fused"])
+    print(f"{'':<30} {'ms':>9} {'B/elem':>7} {'GB/s':>7} {'x copy':>7} {'x fused time':>12}")
+    print(f"{'copy (read+write)':<30} {statistics.median(times['copy']) * 1e3:>9.1f} {8:>7} {copy_bw / 1e9:>7.2f} "
+          f"{1:>7.2f} {'':>12}")
     for name in built:
         t = statistics.median(times[name])
-        bw = BYTES_PER_ELEMENT * n / t
-        print(f"{'AdamW ' + name:<26} {t * 1e3:>9.1f} {bw / 1e9:>7.2f} {bw / copy_bw:>7.2f}")
+        bw = counted[name] * n / t
+        print(f"{name:<30} {t * 1e3:>9.1f} {counted[name]:>7g} {bw / 1e9:>7.2f} {bw / copy_bw:>7.2f} "
+              f"{t / fused:>12.2f}")
 
 
 if __name__ == "__main__":
