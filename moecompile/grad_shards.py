@@ -39,8 +39,9 @@ class GradientShards:
     """Backward's gradients, reduce-scattered bucket by bucket into each sharded bucket's own range."""
 
     def __init__(self, buckets: Any, first_use: dict[str, int], in_flight: int = IN_FLIGHT,
-                 exchange: bool | None = None):
-        """``exchange``: every collective is gloo's blocking exchange (None: ask each bucket's group)."""
+                 exchange: bool | None = None, hooks: bool = True):
+        """``exchange``: every collective is gloo's blocking exchange (None: ask each bucket's group).
+        ``hooks``: backward calls :meth:`arrived` (False: the caller does, as memory_shards' simulation)."""
         from .bucket_layout import completion_order
         from .grad_sync import _is_gloo
 
@@ -58,7 +59,8 @@ class GradientShards:
             b.views = []
             for i, p in enumerate(b.params):
                 self.where[id(p)] = (b, i)
-            grad_hooks.watch(self, b.params)
+            if hooks:
+                grad_hooks.watch(self, b.params)
         self.exchange = {id(b): _is_gloo(b.group) if exchange is None else exchange for b in self.buckets}
         self.pending: collections.deque = collections.deque()
         self.received: dict[int, set[int]] = {id(b): set() for b in self.buckets}

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from . import grad_hooks
 from .bucket_layout import backward_order, bucket_offsets, cut_buckets
 from .errors import MoecompileError
 from .grad_shards import GradientShards
@@ -179,17 +178,14 @@ def in_flight_peak(trainable: dict[str, nn.Parameter], layout: list[BucketShape]
                                   param_flat=flat))
     if not buckets:
         return 0
-    shards = GradientShards(_Launcher(buckets, exchange), first_use, exchange=exchange)
-    try:
-        shards.prepare()
-        sharded = {n for b in buckets for n in b.names}
-        for n, _ in named:
-            if n in sharded:
-                stand_in[n].grad = torch.empty_like(stand_in[n])
-                shards.arrived(stand_in[n])
-        shards.finish_backward()
-    finally:
-        grad_hooks.release(stand_in.values())
+    shards = GradientShards(_Launcher(buckets, exchange), first_use, exchange=exchange, hooks=False)
+    shards.prepare()
+    sharded = {n for b in buckets for n in b.names}
+    for n, p in named:
+        if n in sharded:
+            stand_in[n].grad = torch.empty(p.shape, dtype=p.dtype, device="meta")
+            shards.arrived(stand_in[n])
+    shards.finish_backward()
     return shards.peak_bytes
 
 

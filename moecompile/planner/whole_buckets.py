@@ -63,17 +63,16 @@ def simulated(profile: ModelProfile, cand: Any, nbytes: float) -> bool:
 def _simulated(what: str, profile: ModelProfile, cand: Any, dp: int, edp: int, nbytes: float) -> int | None:
     if not simulated(profile, cand, nbytes):
         return None
-    key = (what, tuple((lp.kind, lp.count, lp.first, lp.tensors, lp.tail) for lp in profile.layers), cand.tp,
-           cand.ep, dp, edp, cand.bucket_mb, nbytes)
-    if key not in _CACHE:
-        order = model_order(profile)
-        trainable, experts, first = _rank_share(order, cand, _DTYPES[int(nbytes)])
-        layout = bucket_layout(trainable, experts, dp, edp, cand.bucket_mb, first)
+    layout = (tuple((lp.kind, lp.count, lp.first, lp.tensors, lp.tail) for lp in profile.layers), cand.tp, cand.ep,
+              dp, edp, cand.bucket_mb, nbytes)
+    if (what, *layout) not in _CACHE:  # the gathered peak is cheap: priced too while the layout is at hand
+        trainable, experts, first = _rank_share(model_order(profile), cand, _DTYPES[int(nbytes)])
+        shapes = bucket_layout(trainable, experts, dp, edp, cand.bucket_mb, first)
+        reads = {n: (i, i) for n, i in first.items()}
+        _CACHE["params", *layout] = gathered_peak([b for b in shapes if b.ranks > 1], reads)
         if what == "grads":
-            _CACHE[key] = in_flight_peak(trainable, layout, first, exchange=False)
-        else:
-            _CACHE[key] = gathered_peak([b for b in layout if b.ranks > 1], {n: (i, i) for n, i in first.items()})
-    return _CACHE[key]
+            _CACHE["grads", *layout] = in_flight_peak(trainable, shapes, first, exchange=False)
+    return _CACHE[(what, *layout)]
 
 
 def _rank_share(order: list[tuple[float, bool]], cand: Any, dtype: torch.dtype
