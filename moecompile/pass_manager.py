@@ -9,7 +9,9 @@ registered with a name, ordering constraints and what it needs / provides::
 
 After every pass the manager lints and recompiles the graph, re-propagates fake
 shapes, runs the IR verifiers of every pass so far, and records a snapshot in
-``ctx.history``. Failures become a ``PassError`` naming the pass and what ran
+``ctx.history``. A pass that returns ``PassResult(gm, False)`` (it had nothing
+to do) keeps the shapes it was given: the manager checks that its nodes are
+indeed untouched instead of propagating them again. Failures become a ``PassError`` naming the pass and what ran
 before it, so a broken graph is reported where it broke.
 """
 
@@ -172,6 +174,7 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, specs: list[PassSpec]) -> f
         if missing:
             raise PassError(spec.name, ctx.passes_run, f"needs {missing} which no earlier pass provided")
         ctx._decisions, ctx._data = [], {}
+        before = _structure(gm)
         start = time.perf_counter()
         try:
             out = spec.fn(gm, ctx)
@@ -184,7 +187,12 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, specs: list[PassSpec]) -> f
             gm, changed = out.graph_module, out.modified
         elif isinstance(out, fx.GraphModule):
             gm = out
-        _check_graph(gm, ctx, spec.name)
+        if changed:
+            _check_graph(gm, ctx, spec.name)
+        elif _structure(gm) != before:
+            raise PassError(spec.name, ctx.passes_run, "returned PassResult(modified=False) but changed the graph; "
+                            "return modified=True (or the graph module) when it changes anything")
+        _verify(gm, ctx, spec.name)
         ctx.facts.update(spec.provides)
         ctx.history.append(snapshot(spec.name, gm, changed, time.perf_counter() - start, ctx._decisions, ctx._data))
         _dump(ctx, i, spec.name, gm)
@@ -206,6 +214,15 @@ def _check_graph(gm: fx.GraphModule, ctx: PassContext, name: str) -> None:
         propagate_fake(gm, ctx.example_inputs)
     except ShapePropError as e:
         raise PassError(name, ctx.passes_run, f"shape propagation failed: {e}", node=e.node.format_node()) from e
+
+
+def _structure(gm: fx.GraphModule) -> list[tuple]:
+    """The graph's nodes with what they compute and read: equal before and after a pass that changed nothing."""
+    return [(n, n.op, n.target, n.args, n.kwargs) for n in gm.graph.nodes]
+
+
+def _verify(gm: fx.GraphModule, ctx: PassContext, name: str) -> None:
+    """The IR rules of every pass run so far, ``name`` included."""
     if ctx.options.verify:
         for after in [*ctx.passes_run, name]:
             for verifier in _VERIFIERS.get(after, []):

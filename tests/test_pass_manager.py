@@ -78,6 +78,33 @@ def test_pass_that_raises_is_wrapped_and_chained(llama, ids):
     assert isinstance(err.value.__cause__, RuntimeError)
 
 
+def test_a_pass_that_changed_nothing_keeps_its_shapes_and_one_that_says_so_falsely_is_named(llama, ids, monkeypatch):
+    from torch.fx.passes.infra.pass_base import PassResult
+
+    import moecompile.pass_manager as pm
+
+    propagated = []
+    real = pm.propagate_fake
+    monkeypatch.setattr(pm, "propagate_fake", lambda gm, inputs: (propagated.append(len(gm.graph.nodes)),
+                                                                 real(gm, inputs)))
+    result = mc.convert(llama, PLAN, (ids,), passes=[lambda gm, ctx: PassResult(gm, False)])
+    unchanged = [r.name for r in result.history[1:] if not r.changed]
+    assert "<lambda>" in unchanged and "import_moe" in unchanged  # a dense model: nothing to adopt
+    assert len(propagated) == len(result.history) - 1 - len(unchanged)
+    assert all("val" in n.meta for n in result.module.graph.nodes if n.op == "call_function")
+
+    def claims_no_change(gm, ctx):
+        node = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default)
+        with gm.graph.inserting_after(node):
+            twice = gm.graph.call_function(torch.ops.aten.mul.Tensor, (node, 2.0))
+        node.replace_all_uses_with(twice, delete_user_cb=lambda u: u is not twice)
+        return PassResult(gm, False)
+
+    with pytest.raises(mc.PassError, match=r"PassResult\(modified=False\) but changed the graph") as err:
+        mc.convert(llama, PLAN, (ids,), passes=[claims_no_change])
+    assert err.value.pass_name == "claims_no_change"
+
+
 def test_missing_requirement_is_reported(llama, ids):
     mc.register_pass("needs_magic", lambda gm, ctx: None, after="upcycle", requires=("magic",))
     with pytest.raises(mc.PassError, match=r"needs \['magic'\]"):
