@@ -2,10 +2,15 @@
 
     results = spawn(scenario, world_size=2, args=(...), timeout=60)   # scenario(rank, world_size, *args)
 
-Each rank runs ``scenario`` with ``torch.distributed`` initialised and returns something small and
-picklable (checks run inside the ranks). A rank that raises fails the test with its traceback; a
-rank that hangs past ``timeout`` is killed and the test fails saying so, so CI never hangs.
-``may_exit`` names ranks allowed to die without reporting (fault-injection tests).
+Each rank runs ``scenario`` with ``torch.distributed`` initialised and returns something picklable
+(checks run inside the ranks); it comes back through a file, so a rank may exit as soon as it is
+done. A rank that raises fails the test with its traceback; a rank that hangs past ``timeout`` is
+killed and the test fails saying so, so CI never hangs. ``may_exit`` names ranks allowed to die
+without reporting (fault-injection tests).
+
+Ranks are forked from a forkserver that has imported torch, transformers' models and moecompile
+once for the whole session: a fresh interpreter per rank spent ~6 s importing them, for every
+scenario. The forkserver keeps the environment of the first spawn (its start).
 """
 
 from __future__ import annotations
@@ -14,11 +19,18 @@ import datetime
 import os
 import queue
 import socket
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
+
+_PRELOAD = ["torch", "torch.distributed", "torch.fx", "transformers", "transformers.modeling_utils",
+            "transformers.models.llama.modeling_llama", "moecompile", "moecompile.train_step"]
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(_PRELOAD)
 
 
 def free_port() -> int:
@@ -27,17 +39,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, results: Any, args: tuple) -> None:
-    import torch
+def _worker(fn: Callable, rank: int, world_size: int, port: int, results: Any, args: tuple, out: str) -> None:
+    import logging
+
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # several ranks share the CI's cores
+    logging.getLogger("transformers").setLevel(logging.ERROR)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=90))
+        torch.save(fn(rank, world_size, *args), os.path.join(out, f"{rank}.pt"))
+        results.put((rank, "ok"))
     except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((rank, traceback.format_exc()))
     finally:
         from moecompile.distributed import shutdown
 
@@ -45,42 +60,48 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, results: Any, a
 
 
 def spawn(fn: Callable, world_size: int, args: tuple = (), timeout: float = 90.0, may_exit: tuple[int, ...] = ()) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes; their results by rank."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, results, args), daemon=True) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    out: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    deadline = time.monotonic() + timeout
-    expected = set(range(world_size))
-    try:
-        while expected - set(out) - set(errors):
-            pending = expected - set(out) - set(errors)
-            if all(not procs[r].is_alive() for r in pending) and all(r in may_exit for r in pending):
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(
-                    f"ranks {sorted(pending)} did not finish within {timeout:.0f} s (hang?); "
-                    f"finished: {sorted(out)}, failed: {sorted(errors)}" + _tracebacks(errors)
-                )
-            try:
-                rank, status, value = results.get(timeout=min(left, 0.5))
-            except queue.Empty:
-                continue
-            (out if status == "ok" else errors)[rank] = value
-    finally:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` new processes; their results by rank (None for a rank
+    in ``may_exit`` that died without one)."""
+    with tempfile.TemporaryDirectory() as out:
+        results = _CTX.Queue()
+        port = free_port()
+        procs = [_CTX.Process(target=_worker, args=(fn, r, world_size, port, results, args, out), daemon=True)
+                 for r in range(world_size)]
         for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    if errors:
-        raise AssertionError(f"ranks {sorted(errors)} raised:" + _tracebacks(errors))
-    return [out.get(r) for r in range(world_size)]
+            p.start()
+        done: set[int] = set()
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        pending = set(range(world_size))
+        try:
+            while pending:
+                if all(not procs[r].is_alive() for r in pending) and all(r in may_exit for r in pending):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(
+                        f"ranks {sorted(pending)} did not finish within {timeout:.0f} s (hang?); "
+                        f"finished: {sorted(done)}, failed: {sorted(errors)}" + _tracebacks(errors)
+                    )
+                try:
+                    rank, status = results.get(timeout=min(left, 0.5))
+                except queue.Empty:
+                    continue
+                pending.discard(rank)
+                if status == "ok":
+                    done.add(rank)
+                else:
+                    errors[rank] = status
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        if errors:
+            raise AssertionError(f"ranks {sorted(errors)} raised:" + _tracebacks(errors))
+        return [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) if r in done else None
+                for r in range(world_size)]
 
 
 def _tracebacks(errors: dict[int, str]) -> str:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from _spawn import run
+from _dist import spawn
 
 GLOBAL_BATCH, SEQ, STEPS = 4, 16, 3
 EXPERTS = {"num_experts": 4, "top_k": 2, "z_loss_coeff": 1e-3, "router_noise": 0.02}
@@ -90,7 +90,7 @@ def ep2_worker(rank: int, world_size: int, out: str) -> dict:
 def ep2_results() -> tuple[Path, list[dict]]:
     out = Path(tempfile.mkdtemp(prefix="moecompile-ep2-"))
     atexit.register(shutil.rmtree, out, True)
-    return out, run(ep2_worker, 2, (str(out),), timeout=300)
+    return out, spawn(ep2_worker, 2, (str(out),), timeout=300)
 
 
 def ep4_worker(rank: int, world_size: int, ckpt: str, eps: tuple[int, ...]) -> dict:
@@ -106,7 +106,7 @@ def ep4_worker(rank: int, world_size: int, ckpt: str, eps: tuple[int, ...]) -> d
 
 def four_ranks_from_checkpoint(ckpt: Path, eps: tuple[int, ...]) -> list[dict]:
     """Load ``ckpt`` on 4 ranks at each ep in ``eps`` and take one step."""
-    return run(ep4_worker, 4, (str(ckpt), tuple(eps)), timeout=400)
+    return spawn(ep4_worker, 4, (str(ckpt), tuple(eps)), timeout=400)
 
 
 @functools.lru_cache(maxsize=None)

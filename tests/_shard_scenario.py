@@ -20,7 +20,7 @@ from typing import Any, Iterator
 import torch
 
 from _ep_scenario import GLOBAL_BATCH, SEQ, data
-from _spawn import run
+from _dist import spawn
 from moecompile.grad_sync import _is_gloo
 
 STEPS = 3
@@ -157,7 +157,7 @@ def _on_two_ranks(worker: Any) -> tuple[Path, list[dict]]:
     """``worker(rank, world_size, out)`` on 2 ranks, with a directory for them that lives as long as the tests."""
     out = Path(tempfile.mkdtemp(prefix="moecompile-zero-"))
     atexit.register(shutil.rmtree, out, True)
-    return out, run(worker, 2, (str(out),), timeout=400)
+    return out, spawn(worker, 2, (str(out),), timeout=400)
 
 
 @functools.lru_cache(maxsize=None)
@@ -177,7 +177,7 @@ def four_ranks_worker(rank: int, world_size: int, ckpt: str) -> dict:
 @functools.lru_cache(maxsize=None)
 def four_ranks() -> list[dict]:
     out, _ = two_ranks()
-    return run(four_ranks_worker, 4, (str(out / "ckpt"),), timeout=500)
+    return spawn(four_ranks_worker, 4, (str(out / "ckpt"),), timeout=500)
 
 
 @functools.lru_cache(maxsize=None)

@@ -267,9 +267,9 @@ def test_partial_capture_refuses_another_shape():
 def test_ep2_steps_replay_on_emulated_graphs():
     """Gradient sync, the static all-to-all, the global_aux load all-reduce and the expert bias in one captured step."""
     from _graph_scenario import ep2_graphs_worker
-    from _spawn import run
+    from _dist import spawn
 
-    for r in run(ep2_graphs_worker, 2, timeout=300):
+    for r in spawn(ep2_graphs_worker, 2, timeout=300):
         assert r["full_replays"] == [3]
         assert r["full"] == r["static_eager"]
         assert r["partial_replays"] and set(r["partial_replays"]) == {3}

@@ -206,9 +206,9 @@ def offload_worker(rank: int, world_size: int) -> dict:
 
 @pytest.mark.distributed
 def test_two_sharded_ranks_offload_their_ranges_and_train_the_same():
-    from _spawn import run
+    from _dist import spawn
 
-    for r in run(offload_worker, 2, timeout=300):
+    for r in spawn(offload_worker, 2, timeout=300):
         for name, runs in r.items():
             plain, offloaded = runs[0.0], runs[0.6]
             assert offloaded["losses"] == plain["losses"], name

@@ -195,7 +195,7 @@ def test_sharded_gradients_need_the_sharded_optimizer():
 @pytest.mark.distributed
 def test_a_second_step_on_the_same_module_takes_the_gradient_hooks_over():
     from _shard_scenario import rebuilt_worker
-    from _spawn import run
+    from _dist import spawn
 
-    for r in run(rebuilt_worker, 2, timeout=200):
+    for r in spawn(rebuilt_worker, 2, timeout=200):
         assert r[True] == pytest.approx(r[False], rel=1e-6) and len(r[True]) == 3
