@@ -310,6 +310,7 @@ def import_moe(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     # meta tensors (a planner's trace) have no values to check against
     on_meta = any(get_attr_value(gm, n).is_meta for b in blocks for n in b.params.values())
     recorded = block_io(gm, ctx.example_inputs, blocks) if blocks and not on_meta else {}
+    traced: dict = {}  # layers alike share one traced block
     for block in blocks:
         where = "combine" if cfg.apply_weights == "combine" else "activation"  # GLUs without a bias: either
         check = "not checked (meta tensors)"
@@ -317,7 +318,7 @@ def import_moe(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             error = check_reproduces(gm, cfg, block, where, recorded[block.x], recorded[block.out])
             check = f"reproduces it to {error:.1e}"
         params = register_block(gm, block.layer, block.tensors(gm), True, cfg)
-        capacity = insert_block(gm, ctx, block.out, block.x, block.layer, params, block.act, True, where)
+        capacity = insert_block(gm, ctx, block.out, block.x, block.layer, params, block.act, True, where, traced)
         hf_names = block.hf_names()
         hf_attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in hf_names]
         for n in [*reversed(block.nodes), *hf_attrs]:  # users before what they use

@@ -269,7 +269,7 @@ def upcycle(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     cfg = ctx.plan.experts
     by_name = {n.name: n for n in gm.graph.nodes}
     ffns = [n for n in gm.graph.nodes if "ffn" in n.meta.get("moe", {})]
-    converted = []
+    converted, traced = [], {}
     # A model with MoE layers of its own (import_moe) keeps its dense FFNs unless the plan lists them.
     adopted = any("moe" in moe(n) for n in gm.graph.nodes)
     if adopted and ffns and cfg.layers == "all":
@@ -284,7 +284,7 @@ def upcycle(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         x = by_name[info["input"]]
         params = register_block(gm, layer, upcycled_tensors(gm, layer, info, cfg, cfg.seed), info["kind"] == "glu", cfg)
         where = weights_at(cfg, info, layer)
-        capacity = insert_block(gm, ctx, out, x, layer, params, info["act"], info["kind"] == "glu", where)
+        capacity = insert_block(gm, ctx, out, x, layer, params, info["act"], info["kind"] == "glu", where, traced)
         _erase_ffn(gm, info, by_name)
         converted.append(layer)
         ctx.decide(
@@ -297,18 +297,24 @@ def upcycle(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def insert_block(gm: fx.GraphModule, ctx: PassContext, out: fx.Node, x: fx.Node, layer: str, params: dict[str, str],
-                 act: str, glu: bool, where: str) -> int:
+                 act: str, glu: bool, where: str, traced: dict | None = None) -> int:
     """Build the MoE block on ``x`` from ``params``, route ``out``'s users to it; returns its capacity.
 
     The block's output node carries the :class:`MoEInfo`; its router losses and load become
-    side outputs. ``out`` and what only it used are left for the caller to erase.
+    side outputs. ``out`` and what only it used are left for the caller to erase. ``traced``: blocks
+    traced so far, by what decides their graph, so layers alike share one trace.
     """
     cfg = ctx.plan.experts
     x_val = x.meta["val"]
     capacity = cfg.capacity(int(x_val.shape[:-1].numel()))
     values = {k: get_attr_value(gm, n) for k, n in params.items()}
-    block = trace_block(moe_block(cfg, act, glu, capacity, _load_group(ctx), where),
-                        {"x": torch.zeros(x_val.shape, dtype=x_val.dtype, device=x_val.device), **values})
+    key = (act, glu, capacity, where, repr(tuple(x_val.shape)), x_val.dtype, x_val.device,
+           tuple((k, tuple(v.shape), v.dtype) for k, v in values.items()))
+    traced = {} if traced is None else traced
+    if key not in traced:
+        traced[key] = trace_block(moe_block(cfg, act, glu, capacity, _load_group(ctx), where),
+                                  {"x": torch.zeros(x_val.shape, dtype=x_val.dtype, device=x_val.device), **values})
+    block = traced[key]
     existing = set(gm.graph.nodes)
     with gm.graph.inserting_before(out):
         attrs = [gm.graph.get_attr(n) for n in params.values()]

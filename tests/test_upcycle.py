@@ -39,6 +39,23 @@ def test_dense_model_is_not_modified(llama, ids):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_layers_alike_share_one_traced_block(ids, monkeypatch):
+    """Tracing the MoE block is most of upcycle's time: the same shapes and options trace once per convert."""
+    import moecompile.passes.upcycle as upcycle
+
+    shapes = []
+    real = upcycle.trace_block
+    monkeypatch.setattr(upcycle, "trace_block", lambda fn, ex: (shapes.append(ex["x"].shape), real(fn, ex))[1])
+    model = tiny_hf("llama", layers=3)
+    result = mc.convert(model, plan(), (ids,))
+    assert shapes == [torch.Size([2, 8, 32])]
+    assert (result.module(ids).logits - model(ids).logits).abs().max().item() <= 1e-5
+    names = dict(result.module.named_parameters())  # each layer still has its own experts
+    assert names["model.layers.0.mlp.experts.w_gate_up"] is not names["model.layers.2.mlp.experts.w_gate_up"]
+    mc.convert(model, plan(), (torch.zeros(1, 4, dtype=torch.long),))  # another convert traces its own
+    assert shapes[1:] == [torch.Size([1, 4, 32])]
+
+
 def test_parameter_names_follow_the_dense_module_path(llama, ids):
     result = mc.convert(llama, plan(S=1, expert_bias=True), (ids,))
     names = dict(result.module.named_parameters())
