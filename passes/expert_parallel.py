@@ -35,6 +35,7 @@ this pass and every later one. Helpers raise ValueError; the pass manager report
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Any
 
@@ -115,9 +116,8 @@ class Emit:
 
     def row_weights(self, role: Role, row_src: fx.Node, weights_TK: fx.Node, anchor: fx.Node) -> fx.Node:
         """``kernels.row_weights(row_src, weights_TK)`` traced to ATen and inlined before ``anchor``, stamped."""
-        examples = {"row_src_N": torch.zeros(6, dtype=torch.int64), "weights_TK": torch.zeros(5, 3)}
         existing = set(self.graph.nodes)
-        out = inline(self.graph, trace_block(row_weights, examples), [row_src, weights_TK], anchor)
+        out = inline(self.graph, _row_weights_block(), [row_src, weights_TK], anchor)
         for n in [n for n in self.graph.nodes if n not in existing]:
             self._stamp(n, role)
         return out
@@ -290,3 +290,9 @@ def verify_collectives(gm: fx.GraphModule, ctx: PassContext) -> None:
 
 
 register_verifier("expert_parallel", verify_collectives)
+
+
+@functools.lru_cache(maxsize=None)
+def _row_weights_block() -> fx.GraphModule:
+    """``kernels.row_weights`` traced once (symbolic shapes): every layer inlines a copy of it."""
+    return trace_block(row_weights, {"row_src_N": torch.zeros(6, dtype=torch.int64), "weights_TK": torch.zeros(5, 3)})
