@@ -201,7 +201,8 @@ def test_markdown_report(result, rows):
     assert "experts 49.15 KFLOP" in section  # FLOPs/token by role
 
 
-def test_rich_report_has_the_same_content(result):
+def test_rich_report_has_the_same_content(result, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")  # the terminal's width: a narrow one wraps the table's cells
     text = render_report(result, style="rich")
     assert "\x1b[" in text
     plain = re.sub(r"\x1b\[[0-9;]*m", "", text)
