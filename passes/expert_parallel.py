@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx.passes.infra.pass_base import PassResult
 
 import moecompile.kernels  # noqa: F401  (registers torch.ops.moecompile.*)
 from moecompile import distributed
@@ -216,7 +217,7 @@ def replace_load(gm: fx.GraphModule, block: Block, load: fx.Node) -> None:
 
 
 @register_pass("expert_parallel", after="upcycle", requires=("moe",), provides=("expert_parallel",))
-def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     cfg = ctx.plan.parallel
     world: World | None = ctx.world
     if cfg.ep > 1 and (world is None or world.ep != cfg.ep):
@@ -225,12 +226,13 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             f"{'missing' if world is None else f'built for ep={world.ep}'}: initialise torch.distributed "
             "(torchrun, or moecompile.distributed.init(plan)) before convert"
         )
-    layers = []
+    layers, changed = [], cfg.ep > 1  # at ep=1 the graph changes only where a static capacity is set
     for block in find_blocks(gm):
         E = block.info["num_experts"]
         capacity = _static_capacity(ctx, block)
         if capacity is not None and block.permute.args[4] != capacity:
             block.permute.update_arg(4, capacity)
+            changed = True
         lo, hi = world.expert_range(E) if world is not None and cfg.ep > 1 else (0, E)
         _shard(gm, block, lo, hi)
         mode = "dropless" if capacity is None else f"static, capacity {capacity} per expert per source rank"
@@ -258,7 +260,7 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ctx.record(ep=cfg.ep, dispatcher=cfg.dispatcher, dispatch_mode=cfg.dispatch_mode, layers=layers,
                ep_ranks=list(world.ep_ranks) if world is not None else [0])
     gm.graph.lint()
-    return gm
+    return PassResult(gm, changed)
 
 
 # ---------------------------------------------------------------- legal IR after this pass
