@@ -11,8 +11,9 @@ After every pass the manager lints and recompiles the graph, re-propagates fake
 shapes, runs the IR verifiers of every pass so far, and records a snapshot in
 ``ctx.history``. A pass that returns ``PassResult(gm, False)`` (it had nothing
 to do) keeps the shapes it was given: the manager checks that its nodes are
-indeed untouched instead of propagating them again. Failures become a ``PassError`` naming the pass and what ran
-before it, so a broken graph is reported where it broke.
+indeed untouched instead of propagating them again. Failures become a
+``PassError`` naming the pass and what ran before it, so a broken graph is
+reported where it broke.
 """
 
 from __future__ import annotations
