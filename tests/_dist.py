@@ -86,6 +86,7 @@ def spawn(fn: Callable, world_size: int, args: tuple = (), timeout: float = 90.0
                 try:
                     rank, status = results.get(timeout=min(left, 0.5))
                 except queue.Empty:
+                    _fail_if_died(procs, pending - set(may_exit), results)
                     continue
                 pending.discard(rank)
                 if status == "ok":
@@ -102,6 +103,14 @@ def spawn(fn: Callable, world_size: int, args: tuple = (), timeout: float = 90.0
             raise AssertionError(f"ranks {sorted(errors)} raised:" + _tracebacks(errors))
         return [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) if r in done else None
                 for r in range(world_size)]
+
+
+def _fail_if_died(procs: list, ranks: set[int], results: Any) -> None:
+    """A rank that exited without a word (a crash, ``os._exit``) fails the test now, not at the timeout."""
+    dead = sorted(r for r in ranks if not procs[r].is_alive())
+    if dead and results.empty():  # what a rank put before it exited is in the queue by now
+        codes = ", ".join(f"rank {r}: {procs[r].exitcode}" for r in dead)
+        raise AssertionError(f"ranks {dead} exited without a result (exit codes {codes})")
 
 
 def _tracebacks(errors: dict[int, str]) -> str:
