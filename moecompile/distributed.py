@@ -152,6 +152,16 @@ def world_from_plan(plan: Any) -> World:
     return build_world(plan.parallel.ep, plan.parallel.timeout_s)
 
 
+def check_ep(ep: int, world_size: int) -> None:
+    """A ``PlanError`` naming both numbers unless ``ep`` divides the world (before any rank or group exists)."""
+    W = world_size
+    if ep < 1 or W % ep:
+        raise PlanError(
+            "parallel.ep", ep, f"must divide the world size {W} (world_size % ep = {W % ep if ep >= 1 else W}); "
+            f"launch a multiple of {ep} ranks or choose ep among {[d for d in range(1, W + 1) if W % d == 0]}"
+        )
+
+
 def build_world(ep: int = 1, timeout_s: float = 300.0) -> World:
     """Create (once per process) the ep / edp / dp groups for expert-parallel size ``ep``.
 
@@ -164,11 +174,7 @@ def build_world(ep: int = 1, timeout_s: float = 300.0) -> World:
             "or torch.distributed.init_process_group(...) first"
         )
     W, rank = dist.get_world_size(), dist.get_rank()
-    if ep < 1 or W % ep:
-        raise PlanError(
-            "parallel.ep", ep, f"must divide the world size {W} (world_size % ep = {W % ep if ep >= 1 else W}); "
-            f"launch a multiple of {ep} ranks or choose ep among {[d for d in range(1, W + 1) if W % d == 0]}"
-        )
+    check_ep(ep, W)
     if _WORLDS_OWNER[0] is not dist.group.WORLD:
         _WORLDS.clear()
         _WORLDS_OWNER[0] = dist.group.WORLD

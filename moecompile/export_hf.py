@@ -70,16 +70,40 @@ def arch_for(model_type: str | None) -> str:
                       "use moecompile.convert and build_train_step to train it without exporting")
 
 
-def _check(result: Any, arch: str, config: Any, blocks: dict[str, Any]) -> None:
-    plan = result.plan.experts
+def check_exportable(arch: str, plan: Any, config: Any) -> None:
+    """What the source model and the plan alone decide about exporting as ``arch``: checked before a run
+    trains (``moecompile train --export-hf``), so a plan the target cannot express fails at once, not at the end."""
+    experts = plan.experts
     src = getattr(config, "model_type", None)
     if src not in ARCHS[arch][2]:
         other = [a for a, v in ARCHS.items() if src in v[2]]
         _fail(arch, f"the source model is {src!r}, whose attention {arch} does not have",
               f"export it as {other[0]}" if other else f"{arch} takes models upcycled from {', '.join(ARCHS[arch][2])}")
-    if plan.shared_experts and arch not in ADOPTED_ONLY:
-        _fail(arch, f"the plan has {plan.shared_experts} shared expert(s), which {arch} has no place for",
+    if experts.shared_experts and arch not in ADOPTED_ONLY:
+        _fail(arch, f"the plan has {experts.shared_experts} shared expert(s), which {arch} has no place for",
               "convert with experts.shared_experts: 0")
+    score = "sigmoid" if arch in GROUPED_SIGMOID_ROUTERS else "softmax"
+    if experts.score != score:
+        _fail(arch, f"experts.score={experts.score!r}; its router is {score}", f"convert with experts.score: {score}")
+    if arch not in GROUPED_SIGMOID_ROUTERS and (experts.route_groups > 1 or experts.route_scale != 1):
+        _fail(arch, "the plan routes within groups or scales the routing weights, which its router does not",
+              "convert with experts.route_groups: 1 and route_scale: 1")
+    if arch == "mixtral" and not experts.normalize:
+        _fail(arch, "experts.normalize=false; Mixtral always renormalises the top-k weights",
+              "convert with experts.normalize: true, or export as qwen3_moe (norm_topk_prob)")
+    if arch == "mixtral" and experts.granularity > 1:
+        _fail(arch, f"experts.granularity={experts.granularity}: Mixtral's experts are whole FFN copies",
+              "export fine-grained experts as qwen3_moe (moe_intermediate_size = F/G), or convert with granularity 1")
+    if arch == "mixtral" and (getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)):
+        _fail(arch, "the source model has attention / MLP biases", "Mixtral's projections have none")
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types) and arch == "qwen3_moe":
+        _fail(arch, "the source uses sliding-window layers per layer_types", "export a model with full attention")
+
+
+def _check(result: Any, arch: str, config: Any, blocks: dict[str, Any]) -> None:
+    check_exportable(arch, result.plan, config)
+    plan = result.plan.experts
     if arch in ADOPTED_ONLY:
         gated = arch == "qwen2_moe"
         wants_shared = gated or bool(getattr(config, "n_shared_experts", 0))
@@ -89,24 +113,12 @@ def _check(result: Any, arch: str, config: Any, blocks: dict[str, Any]) -> None:
                 _fail(arch, f"{layer} is not the MoE layer of a {config.__class__.__name__} (its shared expert "
                       "differs); only models adopted from it export as it", "export an upcycled model as mixtral "
                       "or qwen3_moe")
-    score = "sigmoid" if arch in GROUPED_SIGMOID_ROUTERS else "softmax"
-    if plan.score != score:
-        _fail(arch, f"experts.score={plan.score!r}; its router is {score}", f"convert with experts.score: {score}")
-    if arch not in GROUPED_SIGMOID_ROUTERS and (plan.route_groups > 1 or plan.route_scale != 1):
-        _fail(arch, "the plan routes within groups or scales the routing weights, which its router does not",
-              "convert with experts.route_groups: 1 and route_scale: 1")
     if arch in GROUPED_SIGMOID_ROUTERS:
         first_dense = getattr(config, "first_k_dense_replace", 0)
         moe = sorted(int(_LAYER.fullmatch(layer).group(1)) for layer in blocks if _LAYER.fullmatch(layer))
         if moe != list(range(first_dense, config.num_hidden_layers)):
             _fail(arch, f"its MoE layers are {moe}; {arch}'s are those from first_k_dense_replace "
                   f"({first_dense}) on", "leave experts.layers out when converting an adopted model")
-    if arch == "mixtral" and not plan.normalize:
-        _fail(arch, "experts.normalize=false; Mixtral always renormalises the top-k weights",
-              "convert with experts.normalize: true, or export as qwen3_moe (norm_topk_prob)")
-    if arch == "mixtral" and plan.granularity > 1:
-        _fail(arch, f"experts.granularity={plan.granularity}: Mixtral's experts are whole FFN copies",
-              "export fine-grained experts as qwen3_moe (moe_intermediate_size = F/G), or convert with granularity 1")
     n_layers = config.num_hidden_layers
     if arch == "mixtral" and len(blocks) != n_layers:
         _fail(arch, f"only {len(blocks)} of {n_layers} FFNs are MoE layers; every Mixtral layer is sparse",
@@ -125,12 +137,6 @@ def _check(result: Any, arch: str, config: Any, blocks: dict[str, Any]) -> None:
             if b is not None and bool(b.ne(0).any()):
                 _fail(arch, f"{layer} has a non-zero expert-selection bias (aux-loss-free balancing), which "
                       f"{arch}'s router does not apply", "train with experts.expert_bias: false to export")
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        if arch == "mixtral":
-            _fail(arch, "the source model has attention / MLP biases", "Mixtral's projections have none")
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types) and arch == "qwen3_moe":
-        _fail(arch, "the source uses sliding-window layers per layer_types", "export a model with full attention")
     if plan.capacity_factor is not None:
         log.warning("the plan drops tokens over capacity (capacity_factor=%s); the exported %s routes dropless, "
                     "so its outputs differ wherever tokens were dropped", plan.capacity_factor, arch)

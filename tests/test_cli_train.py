@@ -86,6 +86,25 @@ def test_a_micro_batch_that_does_not_divide_the_rank_batch_is_a_clean_error(tmp_
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--set", "parallel.ep=4"], "'parallel.ep' = 4: must divide the world size 2"),
+    (["--set", "recompute.modules=moe"], "must be list (a list is written [moe]"),
+    (["--batch", "7"], "--batch 7 must be a multiple of the 2 ranks"),
+    (["--model", "tiny-phi3", "--export-hf", "hf"], "no Hugging Face MoE architecture takes a 'phi3' model"),
+    (["--set", "experts.shared_experts=1", "--export-hf", "hf"], "cannot export as mixtral: the plan has 1 shared"),
+])
+def test_what_the_arguments_decide_fails_once_before_any_rank_starts(tmp_path, capsys, monkeypatch, args, words):
+    """Two ranks asked for: the plan, the batch split and the export target are checked in the launcher, one
+    message and status 2, no rank spawned (each would print it, and a bad export would fail after training)."""
+    from moecompile import cli
+    from moecompile.commands import train
+
+    monkeypatch.setattr(train, "_spawn", lambda args: pytest.fail("spawned ranks for arguments that cannot run"))
+    assert cli.main(["train", "--nproc", "2", "--steps", "1", "--out", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err
+    assert words in err and err.count("moecompile train:") == 1, err
+
+
 def test_the_lr_schedule_warms_up_decays_and_resumes_where_it_stopped():
     import argparse
 

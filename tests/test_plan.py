@@ -46,6 +46,8 @@ def test_round_trip_json(tmp_path):
          "at most the 2 experts"),
         ({"route_scale": 0.0}, "experts.route_scale", "> 0"),
         ({"top_k": "2"}, "experts.top_k", "must be int"),
+        ({"layers": 3}, "experts.layers", "must be str | list (a list is written [3], in YAML as in --set)"),
+        ({"capacity_factor": "x"}, "experts.capacity_factor", "must be float | null"),
         ({"num_expert": 8}, "experts.num_expert", "valid keys are num_experts"),
     ],
 )

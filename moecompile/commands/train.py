@@ -78,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if under_torchrun or args.nproc == 1:
         train(args, rank=int(os.environ.get("RANK", 0)), world_size=int(os.environ.get("WORLD_SIZE", 1)))
         return 0
+    preflight(args, args.nproc)  # a bad argument is one message here, not one per rank and then "a rank died"
     return _spawn(args)
 
 
@@ -122,26 +123,38 @@ class _Setup:
     world: Any
 
 
-def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
-    import torch
+@dataclasses.dataclass
+class _Checked:
+    model: str
+    overrides: dict[str, Any]
+    plan: Any
+    micro: int  # sequences per forward on a rank
 
-    from .. import convert
-    from .. import distributed
+
+def preflight(args: argparse.Namespace, world_size: int) -> _Checked:
+    """Everything the arguments alone decide, checked before any rank starts or trains: the plan (file,
+    ``--set``s, ep), the batch split, and whether ``--export-hf`` can express the model (a run must not
+    train for an hour to fail at its export)."""
     from ..errors import MoecompileError
-    from ..models import build_model, has_weights, load_config, own_experts
-    from ..train_step import build_train_step
+    from ..export_hf import arch_for, check_exportable
+    from ..models import load_config, own_experts
     from .inspect import _key_value, apply_sets, load_plan
 
     overrides = dict(_key_value(c, "--config") for c in args.configs)
     model = args.model or DEFAULT_MODEL
     if args.model is None:
         overrides = {**DEFAULT_MODEL_CONFIG, **overrides}
+    config = load_config(model, **overrides)
     # a model with MoE layers of its own (Mixtral, Qwen3-MoE) fixes the experts fields of the default plan
-    plan = load_plan(args.plan, [], experts={**DEFAULT_PLAN["experts"], **own_experts(load_config(model, **overrides))})
+    plan = load_plan(args.plan, [], experts={**DEFAULT_PLAN["experts"], **own_experts(config)})
     if world_size > 1 and not _plan_sets_ep(args):  # one expert shard per rank unless told otherwise
         plan = apply_sets(plan, [f"parallel.ep={world_size}"])
     if args.sets:
         plan = apply_sets(plan, args.sets)
+    if world_size > 1:
+        from ..distributed import check_ep
+
+        check_ep(plan.parallel.ep, world_size)
     if args.batch % world_size:
         raise MoecompileError(f"--batch {args.batch} must be a multiple of the {world_size} ranks")
     per_rank = args.batch // world_size
@@ -149,6 +162,22 @@ def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
     if micro < 1 or per_rank % micro:
         raise MoecompileError(f"--micro-batch {args.micro_batch} must divide the {per_rank} sequences each rank "
                               f"gets (--batch {args.batch} over {world_size} ranks)")
+    if args.export_hf:
+        check_exportable(arch_for(getattr(config, "model_type", None)), plan, config)
+    return _Checked(model, overrides, plan, micro)
+
+
+def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
+    import torch
+
+    from .. import convert
+    from .. import distributed
+    from ..errors import MoecompileError
+    from ..models import build_model, has_weights, load_config
+    from ..train_step import build_train_step
+
+    checked = preflight(args, world_size)
+    model, overrides, plan, micro = checked.model, checked.overrides, checked.plan, checked.micro
     threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed)

@@ -47,7 +47,15 @@ def _type_ok(value: Any, tp: Any) -> bool:
 def _describe_type(tp: Any) -> str:
     if get_origin(tp) is Literal:
         return " | ".join(repr(a) for a in get_args(tp))
+    if get_origin(tp) in (Union, types.UnionType):
+        return " | ".join(_describe_type(a) for a in get_args(tp))
+    if tp is type(None):
+        return "null"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _accepts_list(tp: Any) -> bool:
+    return tp is list or get_origin(tp) is list or any(get_origin(a) is list or a is list for a in get_args(tp))
 
 
 @functools.cache
@@ -71,7 +79,10 @@ class Section:
                 object.__setattr__(self, f.name, list(value))
                 value = list(value)
             if not _type_ok(value, hints[f.name]):
-                raise PlanError(f"{self.name}.{f.name}", value, f"must be {_describe_type(hints[f.name])}")
+                rule = f"must be {_describe_type(hints[f.name])}"
+                if _accepts_list(hints[f.name]) and not isinstance(value, (list, dict)):
+                    rule += f" (a list is written [{value}], in YAML as in --set)"
+                raise PlanError(f"{self.name}.{f.name}", value, rule)
         self.validate()
 
     def validate(self) -> None:
