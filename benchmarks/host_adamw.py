@@ -10,9 +10,12 @@ as optimizer_offload holds them, in each implementation torch has for CPU tensor
 one torch picks by default, foreach, fused; freed host memory kept for reuse, as build_train_step
 does with the optimizer offloaded), counted in the cost model's bytes an element (master
 and both moments read and written, the gradient read: 28). Beside them moecompile.AdamW (fp32 and
-bf16 moments), whose CPU update is its reference, one pass per op, counted as the planner counts it
-(kernels/adamw.py reference_traffic). Prints each one's GB/s and its ratio to the copy's: the
-efficiency the planner assumes; and its time against fused AdamW's. Rounds take turns; medians.
+bf16 moments), whose CPU update is torch's fused kernel over cache-sized chunks with bf16 moments
+widened, one pass over memory, counted as the planner counts it (kernels/adamw.py host_traffic: 28,
+20 in bf16), and its readable reference (``MOECOMPILE_KERNELS=reference``'s, a pass per op, counted
+with the same bytes, so its GB/s is what that one pass would need). Prints each one's GB/s and its
+ratio to the copy's: the efficiency the planner assumes; and its time against fused AdamW's. Rounds
+take turns; medians.
 """
 
 from __future__ import annotations
@@ -63,33 +66,38 @@ def main() -> None:
     keep_freed_memory()  # as build_train_step does with the optimizer offloaded: temporaries reuse freed heap
     n = _elements(args.elements)
     from moecompile import AdamW
-    from moecompile.kernels.adamw import reference_traffic
+    from moecompile.kernels import backend
+    from moecompile.kernels.adamw import host_traffic
 
     built, counted = {}, {}
     for name, options in IMPLEMENTATIONS.items():
         built["AdamW " + name] = _adamw(n, args.tensors, lambda ps: torch.optim.AdamW(ps, lr=1e-3, **options))
         counted["AdamW " + name] = BYTES_PER_ELEMENT
-    for name, dtype in MOMENTS.items():  # its CPU update: the reference, a pass per op (the planner's count)
-        built[name] = _adamw(n, args.tensors, lambda ps: AdamW(ps, lr=1e-3, moment_dtype=dtype))
-        counted[name] = reference_traffic(dtype)
+    kernels = {}
+    for name, dtype in MOMENTS.items():  # its host body (auto), and its reference
+        for kernel in ("auto", "reference"):
+            label = name + (" (reference)" if kernel == "reference" else "")
+            built[label] = _adamw(n, args.tensors, lambda ps: AdamW(ps, lr=1e-3, moment_dtype=dtype))
+            counted[label], kernels[label] = host_traffic(dtype.itemsize), kernel
     times: dict[str, list[float]] = {name: [] for name in ["copy", *built]}
     for _ in range(args.rounds):
         times["copy"].append(_copy_seconds(n))
         for name, opt in built.items():
-            start = time.perf_counter()
-            opt.step()
-            times[name].append(time.perf_counter() - start)
+            with backend.use(kernels.get(name, "auto")):
+                start = time.perf_counter()
+                opt.step()
+                times[name].append(time.perf_counter() - start)
     copy_bw = 2 * 4 * n / statistics.median(times["copy"])
     print(f"{n / 1e6:.1f} M fp32 elements in {args.tensors} tensors, {args.threads} threads, median of "
           f"{args.rounds} rounds")
     fused = statistics.median(times["AdamW fused"])
-    print(f"{'':<30} {'ms':>9} {'B/elem':>7} {'GB/s':>7} {'x copy':>7} {'x fused time':>12}")
-    print(f"{'copy (read+write)':<30} {statistics.median(times['copy']) * 1e3:>9.1f} {8:>7} {copy_bw / 1e9:>7.2f} "
+    print(f"{'':<42} {'ms':>9} {'B/elem':>7} {'GB/s':>7} {'x copy':>7} {'x fused time':>12}")
+    print(f"{'copy (read+write)':<42} {statistics.median(times['copy']) * 1e3:>9.1f} {8:>7} {copy_bw / 1e9:>7.2f} "
           f"{1:>7.2f} {'':>12}")
     for name in built:
         t = statistics.median(times[name])
         bw = counted[name] * n / t
-        print(f"{name:<30} {t * 1e3:>9.1f} {counted[name]:>7g} {bw / 1e9:>7.2f} {bw / copy_bw:>7.2f} "
+        print(f"{name:<42} {t * 1e3:>9.1f} {counted[name]:>7g} {bw / 1e9:>7.2f} {bw / copy_bw:>7.2f} "
               f"{t / fused:>12.2f}")
 
 

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .adamw import adamw_update_ref
+from .adamw import adamw_update_ref, bias_corrections
 
 BLOCK = 1024
 
@@ -34,14 +34,14 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, step_size_ptr, bc2_sqrt_ptr, n, de
     tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
 
 
-def adamw_update(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step_size: Tensor, bc2_sqrt: Tensor, *,
+def adamw_update(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, *,
                  lr: float, weight_decay: float, beta1: float, beta2: float, eps: float) -> None:
     scalars = (lr, weight_decay, beta1, beta2, eps)
     if not all(t.is_contiguous() for t in (p, g, m, v)) or p.numel() == 0 or \
             not all(isinstance(x, (int, float)) for x in scalars):  # e.g. a tensor lr
-        adamw_update_ref(p, g, m, v, step_size, bc2_sqrt, lr=lr, weight_decay=weight_decay, beta1=beta1,
-                         beta2=beta2, eps=eps)
+        adamw_update_ref(p, g, m, v, step, lr=lr, weight_decay=weight_decay, beta1=beta1, beta2=beta2, eps=eps)
         return
+    step_size, bc2_sqrt = bias_corrections(step, lr, beta1, beta2)  # on the device: no host sync
     n = p.numel()
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](p, g, m, v, step_size, bc2_sqrt, n, 1 - lr * weight_decay, 1 - beta1,
                                             beta2, 1 - beta2, eps, BLOCK=BLOCK)

@@ -1,9 +1,13 @@
 """Which implementation runs a moecompile op: the one place that decides.
 
     choice      CUDA tensors      CPU tensors
-    auto        Triton            reference        (default)
+    auto        Triton            host body if the op has one, else reference   (default)
     triton      Triton            Triton under TRITON_INTERPRET=1, else KernelError
     reference   reference         reference
+
+A host body is a faster torch implementation for CPU tensors than the reference's readable
+one-op-a-pass formula (adamw_update: torch's fused CPU AdamW over cache-sized chunks); the
+reference stays the oracle both are tested against.
 
 The choice comes from `MOECOMPILE_KERNELS` (read once, on first use, not at
 import) and can be overridden in a scope with `use("triton")`. Every op body
@@ -40,16 +44,19 @@ log = logging.getLogger(__name__)
 
 _REFERENCE: dict[str, Callable] = {}
 _TRITON: dict[str, str] = {}  # op name -> "module:function" inside moecompile.kernels
+_HOST: dict[str, Callable] = {}  # op name -> its body for CPU tensors under "auto", where it has one
 # A process-wide stack, not a ContextVar: autograd runs CUDA backward on its own
 # threads, which would not see a context-local override.
 _SCOPE: list[str] = []
 
 
-def register(name: str, reference: Callable, triton: Optional[str] = None) -> None:
-    """Declare op `name`'s reference and (lazily imported) Triton body, "module:function"."""
+def register(name: str, reference: Callable, triton: Optional[str] = None, host: Optional[Callable] = None) -> None:
+    """Declare op `name`'s reference, (lazily imported) Triton body, "module:function", and host body."""
     _REFERENCE[name] = reference
     if triton is not None:
         _TRITON[name] = triton
+    if host is not None:
+        _HOST[name] = host
 
 
 def _validate(choice: str, source: str) -> str:
@@ -141,10 +148,12 @@ def _warn_fallback(why_not: str) -> None:
 
 
 def implementation(name: str, device: torch.device) -> Callable:
-    """The callable that runs op `name` on `device`: its Triton body or its reference."""
+    """The callable that runs op `name` on `device`: its Triton body, host body or reference."""
     if name not in _REFERENCE:
         raise KernelError(f"no kernel registered as {name!r}; known: {sorted(_REFERENCE)}")
     if not uses_triton(device):
+        if choice() == "auto" and device.type == "cpu" and name in _HOST:
+            return _HOST[name]
         return _REFERENCE[name]
     if name not in _TRITON:
         raise KernelError(f"op {name!r} has no Triton body; run it with {ENV_VAR}=reference")

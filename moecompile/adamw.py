@@ -11,7 +11,8 @@ The update reads only each element's gradient, moments and value, so it can upda
 parameter on its own: build_train_step accepts it under ``parallel.shard_optimizer``. The bias
 corrections are tensor ops on the step count (no host sync), as torch's ``capturable`` AdamW does.
 The update of each tensor is the ``adamw_update`` kernel: on CUDA one Triton pass over gradient,
-moments and value (kernels/adamw_triton.py), on CPU its torch reference.
+moments and value (kernels/adamw_triton.py); on CPU torch's fused AdamW kernel over cache-sized
+chunks with the bf16 moments widened to fp32 (what an offloaded optimizer's host step runs).
 """
 
 from __future__ import annotations
@@ -60,7 +61,5 @@ class AdamW(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, dtype=dtype)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype)
         state["step"] += 1
-        step_size = group["lr"] / (1 - beta1 ** state["step"])
-        bc2_sqrt = (1 - beta2 ** state["step"]).sqrt()
-        adamw_update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step_size, bc2_sqrt, lr=group["lr"],
+        adamw_update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], state["step"], lr=group["lr"],
                      weight_decay=group["weight_decay"], beta1=beta1, beta2=beta2, eps=group["eps"])

@@ -63,6 +63,33 @@ def test_the_update_is_elementwise_so_a_range_updates_alone(problem):
         assert torch.equal(torch.cat(halves), whole), dtype
 
 
+@pytest.mark.parametrize("moments", [torch.bfloat16, torch.float32])
+def test_the_host_body_is_torchs_fused_kernel_and_follows_the_reference(moments, monkeypatch):
+    """On CPU tensors the update is torch's fused AdamW kernel, over CHUNK slices where moments (or value) are
+    widened: several chunks here, cut at a point no vector width divides, is bitwise the whole tensor's update
+    (shards update alone), and it follows the one-op-a-pass reference to fp32 round-off in its moments."""
+    from moecompile.kernels import backend
+    from moecompile.kernels.adamw import CHUNK
+
+    gen = torch.Generator().manual_seed(1)
+    n, cut = 2 * CHUNK + 77, CHUNK + 1001
+    w0, grads = torch.randn(n, generator=gen), [torch.randn(n, generator=gen) for _ in range(3)]
+    calls = []
+    fused = torch._fused_adamw_
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda *a, **k: calls.append(a[0][0].numel()) or fused(*a, **k))
+    make = lambda ps: mc.AdamW(ps, lr=1e-2, moment_dtype=moments)  # noqa: E731
+    whole, opt = _trajectory(make, w0, grads)
+    assert calls[:3] == ([CHUNK, CHUNK, 77] if moments == torch.bfloat16 else [n, n, n])
+    parts = [_trajectory(make, w0[sl], [g[sl] for g in grads])[0] for sl in (slice(0, cut), slice(cut, None))]
+    assert torch.equal(torch.cat(parts), whole)
+    with backend.use("reference"):
+        ref, ref_opt = _trajectory(make, w0, grads)
+    torch.testing.assert_close(whole, ref, rtol=0, atol=1e-6)
+    for key in ("exp_avg", "exp_avg_sq"):  # the same fp32 moment, rounded once: at most one ulp of the stored dtype
+        got, want = next(iter(opt.state.values()))[key], next(iter(ref_opt.state.values()))[key]
+        torch.testing.assert_close(got, want, rtol=torch.finfo(moments).eps, atol=1e-12)
+
+
 def test_bad_arguments_are_clear_errors():
     p = [torch.nn.Parameter(torch.zeros(2))]
     with pytest.raises(mc.MoecompileError, match="moment_dtype=torch.int8 must be a floating"):

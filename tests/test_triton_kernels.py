@@ -380,8 +380,8 @@ def check_adamw(case):
         m, v = torch.zeros(n, dtype=case["moments"]), torch.zeros(n, dtype=case["moments"])
         for t, g in enumerate(grads_, 1):
             step = torch.tensor(float(t), dtype=torch.float64)
-            mk.adamw_update(p, g, m, v, lr / (1 - case["beta1"] ** step), (1 - beta2 ** step).sqrt(), lr=lr,
-                            weight_decay=case["weight_decay"], beta1=case["beta1"], beta2=beta2, eps=eps)
+            mk.adamw_update(p, g, m, v, step, lr=lr, weight_decay=case["weight_decay"], beta1=case["beta1"],
+                            beta2=beta2, eps=eps)
         return p, m, v
     (p, m, v), (p_r, m_r, v_r) = both(run)
     close((m, v), (m_r, v_r), case["moments"], "moments")
@@ -407,8 +407,7 @@ def test_adamw_update_takes_the_reference_for_strided_tensors():
     def run():
         p, m, v = torch.randn(8, 6, generator=torch.Generator().manual_seed(0)), torch.zeros(6, 8).t(), \
             torch.zeros(6, 8).t()  # moments not contiguous
-        mk.adamw_update(p, g, m, v, 1e-2 / (1 - 0.9 * one), (1 - 0.999 * one).sqrt(), lr=1e-2, weight_decay=0.0,
-                        beta1=0.9, beta2=0.999, eps=1e-8)
+        mk.adamw_update(p, g, m, v, one, lr=1e-2, weight_decay=0.0, beta1=0.9, beta2=0.999, eps=1e-8)
         return p, m, v
     got, want = both(run)
     assert all(torch.equal(a, b) for a, b in zip(got, want))  # the reference itself
