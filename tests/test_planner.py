@@ -483,6 +483,21 @@ def test_the_planner_prices_the_buckets_in_flight_as_the_memory_estimator_does()
         assert gathered_bytes(graph, zero3, 8) == z3.in_flight_params > 0
 
 
+def test_a_gpt2_config_is_profiled_layer_by_layer():
+    """GPT-2 keeps its blocks in transformer.h and its FFN width in n_inner (None: 4 x hidden): the profile finds
+    both (it had counted every op once, in the base, and no experts), and lays the parameters out as the graph."""
+    from moecompile.models import build_model
+    from moecompile.planner import whole_buckets
+    from moecompile.planner.profile import profile_result
+
+    prof = profile_config("tiny-gpt2", seq_len=8, experts=MANY)
+    moe = next(lp for lp in prof.layers if lp.kind == "moe")
+    dense, (ids,) = build_model("tiny-gpt2", batch_size=1, seq_len=8)
+    graph = profile_result(mc.convert(dense, {"experts": MANY}, (ids,)))
+    assert moe.count == 2 and moe.flops > 0 and moe.expert_params == 64 * (2 * 32 * 128 + 128 + 32)  # c_fc, c_proj and their biases
+    assert whole_buckets.model_order(prof) == whole_buckets.model_order(graph) != []
+
+
 def _deep(profile, factor: int):
     """``profile`` with ``factor`` x its MoE layers: many parameters, none larger than before."""
     layers = [dataclasses.replace(lp, count=lp.count * factor) if lp.kind == "moe" else lp for lp in profile.layers]

@@ -49,11 +49,12 @@ class MoEArch:
     dense_intermediate: int
     n_dense: int
     n_moe: int
+    ffn_field: str = "intermediate_size"  # the config field of the FFN width (GPT-2's: n_inner)
 
     def config(self, layers: int, intermediate: int) -> Any:
         from transformers import AutoConfig
 
-        fields = {**self.base, "num_hidden_layers": layers, "intermediate_size": intermediate}
+        fields = {**self.base, "num_hidden_layers": layers, self.ffn_field: intermediate}
         if self.model_type == "deepseek_v3":
             fields["first_k_dense_replace"] = layers  # every layer a dense MLP; upcycle makes the MoE
         return AutoConfig.for_model(self.model_type, **fields)
@@ -102,6 +103,17 @@ def moe_arch(config: Any, experts: dict | None = None) -> MoEArch:
         raise MoecompileError(
             f"{mt!r} is a dense model: say how to make it MoE with experts={{'num_experts': 8, 'top_k': 2}} "
             "(moecompile plan --experts '{...}')")
-    return MoEArch(mt, _fields(config), dict(experts), config.intermediate_size, config.intermediate_size, 0, L)
+    field, width = _ffn_width(config)
+    return MoEArch(mt, _fields(config), dict(experts), width, width, 0, L, field)
+
+
+def _ffn_width(config: Any) -> tuple[str, int]:
+    """The config field holding a dense model's FFN width, and the width (GPT-2's n_inner: None is 4 x hidden)."""
+    if getattr(config, "intermediate_size", None) is not None:
+        return "intermediate_size", int(config.intermediate_size)
+    if hasattr(config, "n_inner"):
+        return "n_inner", int(config.n_inner or 4 * config.hidden_size)
+    raise MoecompileError(f"{config.model_type!r} config has no intermediate_size (nor GPT-2's n_inner): the planner "
+                          "cannot tell its FFN width; give a config that names it")
 
 

@@ -37,7 +37,8 @@ from .arch import _fields, load_model_config, moe_arch, named_configs  # noqa: F
 
 mc = torch.ops.moecompile
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+# the decoder layers' ModuleList: model.layers (Llama and most), transformer.h (GPT-2), blocks, layer (BERT)
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)(?:\.|$)")
 _MOE_ROLES = {r.value for r in (Role.ROUTER, Role.ROUTE, Role.PERMUTE, Role.DISPATCH, Role.EXPERTS, Role.EXPERT_ACT,
                                 Role.COMBINE_COMM, Role.COMBINE, Role.SHARED_EXPERTS, Role.ROUTER_LOSS)}
 _NOT_WORK = {"sym_size", "_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "wait_tensor",
