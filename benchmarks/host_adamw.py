@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=64, help="tensors they are split into (default 64)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--chunks", default="", help="also time the bf16 host body at these chunk sizes, e.g. 16K,256K,1M "
+                    "(kernels/adamw.py CHUNK: fp32 elements widened at a time)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from moecompile.host_memory import keep_freed_memory
@@ -67,26 +69,35 @@ def main() -> None:
     n = _elements(args.elements)
     from moecompile import AdamW
     from moecompile.kernels import backend
+    from moecompile.kernels import adamw as adamw_kernel
     from moecompile.kernels.adamw import host_traffic
+
+    default_chunk = adamw_kernel.CHUNK
 
     built, counted = {}, {}
     for name, options in IMPLEMENTATIONS.items():
         built["AdamW " + name] = _adamw(n, args.tensors, lambda ps: torch.optim.AdamW(ps, lr=1e-3, **options))
         counted["AdamW " + name] = BYTES_PER_ELEMENT
-    kernels = {}
+    kernels, chunks = {}, {}
     for name, dtype in MOMENTS.items():  # its host body (auto), and its reference
         for kernel in ("auto", "reference"):
             label = name + (" (reference)" if kernel == "reference" else "")
             built[label] = _adamw(n, args.tensors, lambda ps: AdamW(ps, lr=1e-3, moment_dtype=dtype))
             counted[label], kernels[label] = host_traffic(dtype.itemsize), kernel
+    for text in filter(None, args.chunks.split(",")):
+        label = f"moecompile.AdamW bf16 moments, chunk {text}"
+        built[label] = _adamw(n, args.tensors, lambda ps: AdamW(ps, lr=1e-3, moment_dtype=torch.bfloat16))
+        counted[label], chunks[label] = host_traffic(2), _elements(text)
     times: dict[str, list[float]] = {name: [] for name in ["copy", *built]}
     for _ in range(args.rounds):
         times["copy"].append(_copy_seconds(n))
         for name, opt in built.items():
+            adamw_kernel.CHUNK = chunks.get(name, default_chunk)
             with backend.use(kernels.get(name, "auto")):
                 start = time.perf_counter()
                 opt.step()
                 times[name].append(time.perf_counter() - start)
+    adamw_kernel.CHUNK = default_chunk
     copy_bw = 2 * 4 * n / statistics.median(times["copy"])
     print(f"{n / 1e6:.1f} M fp32 elements in {args.tensors} tensors, {args.threads} threads, median of "
           f"{args.rounds} rounds")
