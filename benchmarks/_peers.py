@@ -133,20 +133,79 @@ def _dense_swiglu(w: Weights, k: int, dtype: torch.dtype) -> Built:
 
 
 def _torchtitan(w: Weights, k: int, dtype: torch.dtype) -> Built:
+    """torchtitan's MoE (``models.common.moe``): softmax top-k renormalised (route_norm), the local token
+    dispatcher and ``torch._grouped_mm`` experts. Its experts always compute in bf16 (their code casts)."""
     try:
-        import torchtitan  # noqa: F401
+        from torchtitan.models.common.linear import Linear
+        from torchtitan.models.common.moe import (MoE, GroupedExperts, LocalTokenDispatcher, RoutedExperts,
+                                                  TokenChoiceTopKRouter)
     except ImportError as e:
-        raise Unavailable(f"torchtitan not installed ({e}); it is not on PyPI for CPU torch 2.13 here") from e
-    raise Unavailable("torchtitan importable but no adapter written yet")
+        raise Unavailable(f"torchtitan not importable ({e}); benchmarks/README.md says how to install it "
+                          "without pulling another torch") from e
+    E, F2, H = w.w_gate_up.shape
+    F_ = F2 // 2
+    config = MoE.Config(
+        num_experts=E, load_balance_coeff=None,
+        routed_experts=RoutedExperts.Config(inner_experts=GroupedExperts.Config(dim=H, hidden_dim=F_, num_experts=E),
+                                            token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=k)),
+        router=TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=H, out_features=E),
+                                            top_k=k, score_func="softmax", route_norm=True))
+    block = config.build().to(dtype)
+    experts = block.routed_experts.inner_experts
+    with torch.no_grad():
+        experts.w1_EFD.copy_(w.w_gate_up[:, :F_])
+        experts.w3_EFD.copy_(w.w_gate_up[:, F_:])
+        experts.w2_EDF.copy_(w.w_down)
+        block.router.gate.weight.copy_(w.router)
+    return (lambda x: block(x[None])[0]), [p for p in block.parameters() if p.requires_grad]
 
 
 def _deepspeed(w: Weights, k: int, dtype: torch.dtype) -> Built:
+    """DeepSpeed's MoE layer (``deepspeed.moe.layer.MoE``): GShard-style gating, dropless (drop_tokens=False:
+    capacity = the busiest expert's count, every other expert padded to it), one SwiGLU module per expert run
+    in turn; no random token selection or sampled second expert, so it routes as the others do."""
     try:
         import deepspeed  # noqa: F401
+        from deepspeed.moe.layer import MoE
     except ImportError as e:
-        raise Unavailable(f"deepspeed not installed ({e}); its install pulls a CUDA toolchain build") from e
-    raise Unavailable("deepspeed importable but no adapter written yet")
+        raise Unavailable(f"deepspeed not importable ({e}); benchmarks/README.md says how to install it "
+                          "without building its CUDA ops") from e
+    import torch.distributed as dist
 
+    if not dist.is_initialized():  # its expert groups live in torch.distributed: a world of one
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    E, F2, H = w.w_gate_up.shape
+    F_ = F2 // 2
+
+    class SwiGLU(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate = torch.nn.Linear(H, F_, bias=False)
+            self.up = torch.nn.Linear(H, F_, bias=False)
+            self.down = torch.nn.Linear(F_, H, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+
+    block = MoE(hidden_size=H, expert=SwiGLU(), num_experts=E, ep_size=1, k=k, drop_tokens=False, use_rts=False,
+                top2_2nd_expert_sampling=False).to(dtype)
+    with torch.no_grad():
+        for e, expert in enumerate(block.deepspeed_moe.experts.deepspeed_experts):
+            expert.gate.weight.copy_(w.w_gate_up[e, :F_])
+            expert.up.weight.copy_(w.w_gate_up[e, F_:])
+            expert.down.weight.copy_(w.w_down[e])
+        block.deepspeed_moe.gate.wg.weight.copy_(w.router)
+    return (lambda x: block(x[None])[0][0]), [p for p in block.parameters() if p.requires_grad]
+
+
+# the float64 reference of a peer that cannot compute in float64 itself (torchtitan's experts cast to bf16)
+# or whose float64 run is just slow: an implementation of the same function (softmax top-k, renormalised)
+REFERENCES = {"torchtitan": "hf_mixtral_eager", "deepspeed": "hf_mixtral_eager"}
 
 BUILDERS: dict[str, Callable[[Weights, int, torch.dtype], Built]] = {
     "moecompile": _moecompile,  # routing weights in the GLU (apply_weights auto)

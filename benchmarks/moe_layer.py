@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _peers import BUILDERS, Unavailable, make_weights  # noqa: E402
+from _peers import BUILDERS, REFERENCES, Unavailable, make_weights  # noqa: E402
 
 CONFIGS = {
     "base": dict(H=512, F=1024, E=8, k=2, T=4096),
@@ -96,7 +96,7 @@ def _prepare(impl: str, config: str, dt: str, threads: int, w) -> tuple[dict, Ca
     rec = {"impl": impl, "config": config, "dtype": dt, "threads": threads, **c}
     try:
         # torch grouped_mm has no float64 kernel: the reference of a grouped_mm peer is its eager twin
-        ref_impl = impl.replace("_grouped_mm", "_eager") if impl.endswith("_grouped_mm") else impl
+        ref_impl = impl.replace("_grouped_mm", "_eager") if impl.endswith("_grouped_mm") else REFERENCES.get(impl, impl)
         fn64, _ = BUILDERS.get(ref_impl, BUILDERS[impl])(w, c["k"], torch.float64)
         x64 = w.x.clone().requires_grad_(True)
         y64 = fn64(x64)
