@@ -150,6 +150,16 @@ def test_auto_runs_reference_on_cpu():
         assert backend.implementation("glu", torch.device("cpu")) is mk.glu_ref
 
 
+def test_auto_runs_an_ops_host_body_on_cpu_and_reference_forces_the_formula():
+    from moecompile.kernels.adamw import adamw_update_host
+
+    cpu = torch.device("cpu")
+    with backend.use("auto"):
+        assert backend.implementation("adamw_update", cpu) is adamw_update_host
+    with backend.use("reference"):
+        assert backend.implementation("adamw_update", cpu) is mk.adamw_update_ref
+
+
 def test_forcing_triton_on_cpu_without_interpreter_says_how(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(backend, "_INTERPRETED", {})
