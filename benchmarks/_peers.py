@@ -173,12 +173,9 @@ def _deepspeed(w: Weights, k: int, dtype: torch.dtype) -> Built:
     import torch.distributed as dist
 
     if not dist.is_initialized():  # its expert groups live in torch.distributed: a world of one
-        import socket
+        from moecompile.distributed import free_port
 
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     E, F2, H = w.w_gate_up.shape
     F_ = F2 // 2
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import time
 from typing import Any
 
@@ -31,6 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from moecompile.distributed import free_port
 
 _fc = torch.ops._c10d_functional
 _STARTS = {_fc.all_to_all_single.default, _fc.all_gather_into_tensor.default, _fc.reduce_scatter_tensor.default}
@@ -127,10 +128,7 @@ def worker(rank: int, ep: int, port: int, cfg: dict, out: Any) -> None:
 def run_ep(ep: int, cfg: dict) -> list[list[dict]]:
     ctx = torch.multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=worker, args=(r, ep, port, cfg, out)) for r in range(ep)]
+    procs = [ctx.Process(target=worker, args=(r, ep, free_port(), cfg, out)) for r in range(ep)]
     for p in procs:
         p.start()
     gathered = out.get(timeout=cfg["timeout"])

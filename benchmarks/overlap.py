@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -31,6 +30,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from moecompile.distributed import free_port
 
 
 class _FFN(nn.Module):
@@ -150,15 +151,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     dist.destroy_process_group()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(ep: int, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(ep, _port(), args, out), nprocs=ep, start_method="spawn")
+        mp.start_processes(_worker, args=(ep, free_port(), args, out), nprocs=ep, start_method="spawn")
         return torch.load(os.path.join(out, "result.pt"))
 
 

@@ -25,7 +25,7 @@ from torch import Tensor
 from . import backend
 
 # elements the host body widens at a time: 1 MiB an fp32 buffer, in cache even with a host's cache shared by its
-# GPUs' processes; smaller chunks pay ~30 us of dispatch each (benchmarks/host_adamw.py --chunks sweeps it)
+# GPUs' processes; smaller chunks pay tens of us of dispatch each (benchmarks/host_adamw.py --chunks sweeps it)
 CHUNK = 1 << 18
 
 
@@ -89,10 +89,11 @@ def adamw_update(p: Tensor, g: Tensor, m: Tensor, v: Tensor, step: Tensor, *,
                                                      beta1=beta1, beta2=beta2, eps=eps)
 
 
-def host_traffic(moment_bytes: float, param_bytes: float = 4, grad_bytes: float = 4) -> float:
-    """Bytes an element the host body moves over memory: one pass, the value and both moments read and written,
-    the gradient read (its widened chunks stay in cache). 28 with fp32 moments, as torch's fused AdamW; 20 in bf16."""
-    return 2 * (param_bytes + 2 * moment_bytes) + grad_bytes
+def host_traffic(moment_bytes: float) -> float:
+    """Bytes an element the host body moves over memory for an fp32 master and gradient: one pass, the master and
+    both moments read and written, the gradient read (its widened chunks stay in cache). 28 with fp32 moments, as
+    torch's fused AdamW; 20 in bf16."""
+    return 2 * (4 + 2 * moment_bytes) + 4
 
 
 backend.register("adamw_update", adamw_update_ref, triton="adamw_triton:adamw_update", host=adamw_update_host)

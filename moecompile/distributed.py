@@ -154,12 +154,21 @@ def world_from_plan(plan: Any) -> World:
 
 def check_ep(ep: int, world_size: int) -> None:
     """A ``PlanError`` naming both numbers unless ``ep`` divides the world (before any rank or group exists)."""
-    W = world_size
+    W = world_size  # the name the message uses
     if ep < 1 or W % ep:
         raise PlanError(
             "parallel.ep", ep, f"must divide the world size {W} (world_size % ep = {W % ep if ep >= 1 else W}); "
             f"launch a multiple of {ep} ranks or choose ep among {[d for d in range(1, W + 1) if W % d == 0]}"
         )
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback, for a local rendezvous of ranks this process spawns."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def build_world(ep: int = 1, timeout_s: float = 300.0) -> World:

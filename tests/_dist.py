@@ -18,7 +18,6 @@ from __future__ import annotations
 import datetime
 import os
 import queue
-import socket
 import tempfile
 import time
 import traceback
@@ -27,16 +26,12 @@ from typing import Any, Callable
 import torch
 import torch.multiprocessing as mp
 
+from moecompile.distributed import free_port
+
 _PRELOAD = ["torch", "torch.distributed", "torch.fx", "transformers", "transformers.modeling_utils",
             "transformers.models.llama.modeling_llama", "moecompile", "moecompile.train_step"]
 _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(_PRELOAD)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, results: Any, args: tuple, out: str) -> None:

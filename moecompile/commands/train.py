@@ -85,13 +85,10 @@ def run(args: argparse.Namespace) -> int:
 def _spawn(args: argparse.Namespace) -> int:
     import torch.multiprocessing as mp
 
-    import socket
+    from ..distributed import free_port
 
-    with socket.socket() as sock:  # a free port for the local rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(port))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     try:
         mp.start_processes(_worker, args=(args, args.nproc), nprocs=args.nproc, start_method="spawn")
     except mp.ProcessRaisedException as e:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -24,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..distributed import free_port
 from .cluster import Cluster, Link
 
 _SMALL, _LARGE = 64 * 2**10, 4 * 2**20  # all-to-all payload per rank, bytes
@@ -77,12 +77,6 @@ def measure_rank(world: int, cpu_time: bool = False) -> dict[str, float]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(rank: int, world: int, threads: int, port: int, fn: Callable, args: tuple, out: str) -> None:
     import torch.distributed as dist
 
@@ -109,7 +103,7 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), threads: int | None = 
 
     threads = threads or threads_per_rank(world)
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_entry, args=(world, threads, _free_port(), fn, args, out), nprocs=world,
+        ctx = mp.start_processes(_entry, args=(world, threads, free_port(), fn, args, out), nprocs=world,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):
