@@ -93,7 +93,8 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         ctx.decide("fp8.recipe is 'none' (or fp8.modules empty): every GEMM stays in high precision")
         ctx.record(fp8={"recipe": cfg.recipe, "converted": {}, "kept": {}})
         return PassResult(gm, False)
-    before = profile_activations(gm.graph, gm, ctx.example_inputs).device_bytes
+    ep = ctx.plan.parallel.ep  # a dropless dispatch's splits are data-dependent: profiled as balanced
+    before = profile_activations(gm.graph, gm, ctx.example_inputs, ep=ep).device_bytes
     layers = [i for n in gm.graph.nodes if (i := layer_index(n)) is not None]
     kept_layers = cfg.kept_layers(max(layers) + 1) if layers else set()
     converted: dict[str, list[str]] = {}
@@ -120,7 +121,7 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         + (f", layers {sorted(kept_layers)}" if kept_layers else "")
         + (f", {len(kept['not selected'])} GEMMs not in fp8.modules" if kept["not selected"] else "")
     )
-    after = profile_activations(gm.graph, gm, ctx.example_inputs).device_bytes
+    after = profile_activations(gm.graph, gm, ctx.example_inputs, ep=ep).device_bytes
     ctx.decide(f"activations per rank {human(before, 'B', 1024)} -> {human(after, 'B', 1024)} (float8 copies saved for backward)")
     ctx.record(fp8={"recipe": cfg.recipe, "format": cfg.format, "converted": converted, "kept": kept,
                     "activation_bytes": {"before": before, "after": after}})
