@@ -10,10 +10,12 @@ differs is the eager path, which every MoE layer pays about 14 times a step:
       object, generated Function, output-alias      only when an input needs grad
       check, then a dynamo-disabled backend         backend: the body itself, registered
       wrapper around the body                       as CompositeExplicitAutograd
+                                                  (both kernels dynamo-disabled too)
 
 Measured on the 2-core AVX2 box (`benchmarks/op_overhead.py`, a 4-element multiply):
-custom_op adds ~16 us to a call without grad and ~79 us to a forward+backward over
-the plain aten op; this adds ~7 and ~53.
+custom_op adds ~13 us to a call without grad and ~80 us to a forward+backward over
+the plain aten op; this adds ~7 and ~56 (~5 and ~51 before its kernels were
+dynamo-disabled, which a converted module under ``torch.compile`` needs).
 
 Only functional ops (no mutated arguments): the one mutating op keeps `custom_op`,
 which also writes its functionalization.
@@ -42,7 +44,7 @@ class Op:
         namespace, self.name = qualname.split("::")
         self._lib = _library(namespace)
         self._lib.define(self.name + torch.library.infer_schema(fn, mutates_args=()))
-        self._lib.impl(self.name, fn, "CompositeExplicitAutograd")
+        self._lib.impl(self.name, _eager_only(fn), "CompositeExplicitAutograd")
         self.default: torch._ops.OpOverload = getattr(getattr(torch.ops, namespace), self.name).default
         # The dispatcher hands a Python kernel its trailing arguments only where they differ from
         # the schema's defaults; the autograd wrapper restores them so setup_context sees all inputs.
@@ -83,7 +85,15 @@ class Op:
             with torch._C._AutoDispatchBelowAutograd():
                 return overload(*args)
 
-        self._lib.impl(self.name, autograd_kernel, "Autograd")
+        self._lib.impl(self.name, _eager_only(autograd_kernel), "Autograd")
+
+
+def _eager_only(kernel: Callable) -> Callable:
+    """The kernel with dynamo off inside it (custom_op does the same). A graph traced by dynamo holds
+    the op itself, through its fake impl; the Python kernel runs only eagerly, and under
+    ``torch.compile`` that includes the code between graph breaks (a dropless dispatch's splits),
+    where dynamo would otherwise trace into the body and fail on what only its fake impl describes."""
+    return torch._disable_dynamo(kernel)
 
 
 def _any_requires_grad(args: tuple) -> bool:
