@@ -110,6 +110,7 @@ class TrainStep:
         expert_bias_rate: float | None = None,
         cuda_graph: str | None = None,
         keep_host_memory: bool | None = None,
+        compile: bool | dict[str, Any] = False,
     ):
         self.result = result
         self.module: nn.Module = result.module
@@ -175,6 +176,20 @@ class TrainStep:
         if mode != self.plan.cuda_graph.mode and self.device.type == "cuda":  # the plan's rules, for the mode given
             dataclasses.replace(self.plan.cuda_graph, mode=mode).check_against(self.plan.parallel)
         self.runner = make_runner(self, mode)
+        if compile:
+            self._compile({} if compile is True else dict(compile), mode)
+
+    def _compile(self, options: dict[str, Any], mode: str) -> None:
+        """The forward under ``torch.compile``: TorchInductor fuses the dense parts (norms, rotary, residuals)
+        and AOTAutograd builds their backward; the MoE ops stay opaque custom ops (fake impls), and a dropless
+        dispatch breaks the graph where it reads its splits on the host. Compiled on the first step."""
+        from .cuda_graphs import EagerRunner
+
+        if not isinstance(self.runner, EagerRunner):
+            raise MoecompileError(
+                f"compile and cuda_graph.mode={mode!r} both take over the forward: choose one (on CUDA, "
+                "compile={'mode': 'reduce-overhead'} captures CUDA graphs of the compiled regions itself)")
+        self.forward_module = torch.compile(self.module, **options)
 
     def _overlap_grad_reduce(self) -> bool:
         """The plan's ``parallel.overlap_grad_reduce``; null: on unless the data-parallel group is gloo's."""
@@ -451,7 +466,9 @@ def build_train_step(
     ("fp32" | "bf16"; default bf16 on CUDA, fp32 on CPU), ``bucket_mb`` (gradient bucket size),
     ``expert_bias_rate`` (default ``plan.experts.expert_bias_rate``), ``cuda_graph``
     ("none" | "partial" | "full"; default ``plan.cuda_graph.mode``), ``keep_host_memory`` (default
-    True on CPU and with ``parallel.offload_optimizer``: ``moecompile.host_memory.keep_freed_memory``, process-wide).
+    True on CPU and with ``parallel.offload_optimizer``: ``moecompile.host_memory.keep_freed_memory``, process-wide),
+    ``compile`` (False; True or ``torch.compile``'s keyword arguments: the forward runs compiled,
+    ``TrainStep._compile``).
     The batch the step is called with may be any multiple of the batch ``convert`` traced: it
     runs as that many micro-batches (gradient accumulation), so convert at the micro-batch.
     """

@@ -31,14 +31,14 @@ def data():
     return ByteBatches(stdlib_bytes(300_000), GLOBAL_BATCH, SEQ, seed=0)
 
 
-def make_step(plan: dict, batch: int, capturable: bool = False) -> tuple[Any, Any, Any]:
+def make_step(plan: dict, batch: int, capturable: bool = False, **options: Any) -> tuple[Any, Any, Any]:
     import moecompile as mc
     from moecompile.models import build_model
 
     dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=batch, seq_len=SEQ)
     result = mc.convert(dense, plan, (ids,))
     step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3, capturable=capturable),
-                               clip_grad_norm=1.0)
+                               clip_grad_norm=1.0, **options)
     return dense, result, step
 
 
@@ -77,7 +77,10 @@ def ep2_worker(rank: int, world_size: int, out: str) -> dict:
     static_metrics = [_metrics(static_step(stream.shard(i, rank, world_size))) for i in range(2)]
     _, _, micro_step = make_step({"experts": EXPERTS, "parallel": {"ep": 2}}, 1)  # 1 sequence a forward
     micro_metrics = [_metrics(micro_step(stream.shard(i, rank, world_size))) for i in range(STEPS)]
-    return {"micro_metrics": micro_metrics, "micro_parts": len(micro_step.micro_batches(*stream.shard(0, rank, world_size))),"aux": aux_runs(rank, world_size, ep=2), "aux_dp": aux_runs(rank, world_size, ep=1),
+    _, _, compiled_step = make_step({"experts": EXPERTS, "parallel": {"ep": 2}}, GLOBAL_BATCH // world_size,
+                                    compile=True)
+    compiled_metrics = [_metrics(compiled_step(stream.shard(i, rank, world_size))) for i in range(STEPS)]
+    return {"compiled_metrics": compiled_metrics,"micro_metrics": micro_metrics, "micro_parts": len(micro_step.micro_batches(*stream.shard(0, rank, world_size))),"aux": aux_runs(rank, world_size, ep=2), "aux_dp": aux_runs(rank, world_size, ep=1),
         "metrics": metrics, "after": after, "collectives": step.buckets.collectives_per_step(),
         "expert_shapes": {n: tuple(p.shape) for n, p in result.module.named_parameters() if ".experts." in n},
         "dropless_full": (full.safe, str(full)), "dropless_static_region": (static_region.safe, str(static_region)),

@@ -45,10 +45,10 @@ def test_train_five_steps_on_two_ranks_then_resume_on_one(tmp_path):
     assert meta["step"] == 5 and meta["ep"] == 2 and meta["world_size"] == 2
     assert (out / "plan.yaml").exists()
     # the ep=2 checkpoint (ZeRO-3) resumes in one process (ep=1): two more steps, from step 5
-    # ... as 2 micro-batches of 2 sequences a step (the graph traced at 2, gradients accumulated)
+    # ... as 2 micro-batches of 2 sequences a step (the graph traced at 2, gradients accumulated), compiled
     proc = moecompile("train", "--steps", "7", *FAST, "--out", str(out), "--resume", "--nproc", "1",
-                      "--micro-batch", "2", "--adam-moments", "bf16", cwd=tmp_path)
-    assert "micro-batches of 2 per rank" in proc.stdout and re.search(r"steps +2 \(now at step 7\)", proc.stdout), \
+                      "--micro-batch", "2", "--adam-moments", "bf16", "--compile", cwd=tmp_path)
+    assert "micro-batches of 2 per rank; forward under torch.compile" in proc.stdout and re.search(r"steps +2 \(now at step 7\)", proc.stdout), \
         proc.stdout
     assert [int(s) for s in re.findall(r"step +(\d+) +loss", proc.stdout)] == [6, 7]
     assert json.loads((out / "checkpoint" / "moecompile.json").read_text())["step"] == 7

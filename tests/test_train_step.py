@@ -163,6 +163,38 @@ def test_bad_optimizer_and_batch_are_clear_errors(data):
         mc.build_train_step(result, precision="fp8")
 
 
+def test_a_compiled_step_tracks_the_eager_step(data):
+    """compile=True: the same losses and weights as the eager step, to float32 round-off (Inductor's own
+    kernels sum in another order; SGD, since Adam turns round-off in a near-zero gradient into a whole lr);
+    micro-batches re-enter the compiled forward."""
+    _, a = convert({"aux_loss": "aux", "z_loss_coeff": 1e-3})
+    _, b = convert({"aux_loss": "aux", "z_loss_coeff": 1e-3})
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.5)  # noqa: E731
+    eager, compiled = mc.build_train_step(a, optimizer=sgd), mc.build_train_step(b, optimizer=sgd, compile=True)
+    assert compiled.forward_module is not compiled.module
+    for i in range(3):
+        x, y = data[i]
+        want, got = eager(x, y), compiled(torch.cat([x, x]), torch.cat([y, y]))  # two micro-batches of the traced one
+        assert got.micro_batches == 2
+        assert got.loss == pytest.approx(want.loss, rel=1e-5), i
+        assert got.expert_load == {k: [2 * n for n in v] for k, v in want.expert_load.items()}, i
+    for (name, p), q in zip(a.module.named_parameters(), b.module.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_compile_refuses_to_share_the_forward_with_a_cuda_graph(monkeypatch):
+    from moecompile import cuda_graphs
+
+    class Capturing:  # what make_runner gives on CUDA for partial / full: it drives the forward itself
+        def __init__(self, step):
+            pass
+
+    _, result = convert({})
+    monkeypatch.setattr(cuda_graphs, "make_runner", lambda step, mode: Capturing(step))
+    with pytest.raises(mc.MoecompileError, match=r"compile and cuda_graph.mode='partial' both take over.*overhead"):
+        mc.build_train_step(result, cuda_graph="partial", compile=True)
+
+
 # ---------------------------------------------------------------- expert parallel (spawned ranks)
 
 
@@ -182,6 +214,20 @@ def test_ep2_matches_ep1_step_for_step():
             assert a["load"] == b["load"] and a["tokens"] == b["tokens"] == BATCH * SEQ, i
         assert r["expert_shapes"]["model.layers.0.mlp.experts.w_gate_up"] == (2, 128, 32)  # 4 experts / ep 2
         assert r["collectives"] == 1  # all dense grads in one bucket; edp = 1 leaves experts local
+
+
+@pytest.mark.distributed
+def test_ep2_compiled_step_matches_the_one_process_step():
+    """compile=True at ep = 2 (dropless: the graph breaks where the splits are read) tracks eager ep = 1."""
+    from _ep_scenario import ep1_reference, ep2_results
+
+    _, ranks = ep2_results()
+    ref = ep1_reference()[2]
+    for r in ranks:
+        for i, (a, b) in enumerate(zip(r["compiled_metrics"], ref)):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (i, a["loss"], b["loss"])
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), i
+            assert a["load"] == b["load"], i
 
 
 @pytest.mark.distributed

@@ -62,6 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=None,
                    help="steps of linear warm-up from 0 (default: a tenth of --steps, at most 10)")
     p.add_argument("--min-lr", type=float, default=0.1, help="cosine's final lr as a fraction of --lr (default 0.1)")
+    p.add_argument("--compile", action="store_true",
+                   help="run the forward under torch.compile (TorchInductor; the first step compiles it)")
     p.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm (0: off; default 1)")
     p.add_argument("--log-every", type=int, default=25, help="print loss and expert load every N steps (default 25)")
     p.add_argument("--out", default="out/train", metavar="DIR", help="checkpoint and plan go here (default out/train)")
@@ -193,7 +195,7 @@ def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
                                 **overrides)
     result = convert(dense, plan, (ids,), world=world)
     clip = args.clip if args.clip > 0 else None
-    step = build_train_step(result, optimizer=_adamw(args), clip_grad_norm=clip, world=world)
+    step = build_train_step(result, optimizer=_adamw(args), clip_grad_norm=clip, world=world, compile=args.compile)
     return _Setup(plan, dense, result, step, world)
 
 
@@ -255,7 +257,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
               f"{'' if adopted else f' (G={e.granularity})'}, ep={s.plan.parallel.ep} over {world_size} rank(s) "
               f"({s.plan.parallel.dispatcher}, {s.plan.parallel.dispatch_mode}); {n_params:,} parameters on this rank; "
               f"batch {args.batch} x {args.seq} bytes of {len(text):,} bytes of text"
-              + (f", micro-batches of {args.micro_batch} per rank" if args.micro_batch else ""), flush=True)
+              + (f", micro-batches of {args.micro_batch} per rank" if args.micro_batch else "")
+              + ("; forward under torch.compile" if args.compile else ""), flush=True)
     history: list[Any] = []
     start, first = time.perf_counter(), s.step.step_count
     bar = tqdm(total=args.steps, initial=first, disable=not lead, unit="step", dynamic_ncols=True, file=sys.stderr,
