@@ -28,7 +28,7 @@ HELP = "Time the training step of a model under a plan: moecompile vs the dense 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..bench import VARIANTS, BenchSpec
+    from ..bench import EXTRA_VARIANTS, VARIANTS, BenchSpec
 
     d = BenchSpec()
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="change one plan field (repeatable)")
     p.add_argument("--variants", default=",".join(VARIANTS), metavar="NAME,...",
-                   help=f"what to time (default {','.join(VARIANTS)}; --nproc N adds moecompile_epN)")
+                   help=f"what to time (default {','.join(VARIANTS)}; also {','.join(EXTRA_VARIANTS)}; --nproc N adds "
+                        "moecompile_epN)")
     p.add_argument("--nproc", type=int, default=1, help="also time moecompile at ep = N over N local ranks")
     p.add_argument("--batch", type=int, default=d.batch, help=f"sequences per step (default {d.batch})")
     p.add_argument("--seq", type=int, default=d.seq, help=f"tokens per sequence (default {d.seq})")
