@@ -14,6 +14,10 @@ Backward: dgrad and wgrad are FP8 GEMMs too, on the gradient cast to e4m3
 (`fmt="e4m3"`) or e5m2 (`fmt="hybrid"`). What is saved for backward is the
 float8 `x_q` (1 byte per element) and a reference to the weight (re-quantized,
 bit-identically, in backward), so stored activations are half of bf16's.
+Each backward is one op as well (`fp8_linear_backward`, `fp8_grouped_linear_backward`):
+a compiled backward (AOTAutograd, Inductor) then calls it rather than tracing its
+float8 pads, casts and dequantizes, which Inductor's CPU backend fails to lower (pads)
+or, with buffer reuse, lowered into wrong gradients (the grouped dequantize; torch 2.13).
 
 Dense GEMMs run `torch._scaled_mm` (CPU and CUDA): tensorwise directly;
 blockwise as one rowwise-scaled GEMM per K block summed in float32 (exactly
@@ -126,7 +130,7 @@ def fp8_mm(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, block: int, b_blo
     a_p, b_p = _pad2(a_q, Mp, Kp), _pad2(b_q, Np, Kp)
     if a_s.dim() == 0:
         y = torch._scaled_mm(a_p, b_p.t(), scale_a=a_s, scale_b=b_s, out_dtype=torch.float32)
-        return y[:M, :N]
+        return y[:M, :N].contiguous()
     y = a_q.new_zeros((Mp, Np), dtype=torch.float32)
     for kb in range(math.ceil(K / block)):
         lo, hi = kb * block, min(K, (kb + 1) * block)
@@ -137,7 +141,7 @@ def fp8_mm(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, block: int, b_blo
         sb = b_s[:, kb].repeat_interleave(block)[:N] if b_blocks else b_s[:, kb]
         sb = F.pad(sb, (0, Np - N), value=1.0).reshape(1, Np).contiguous()
         y += torch._scaled_mm(a_blk, b_blk.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
-    return y[:M, :N]
+    return y[:M, :N].contiguous()  # the padding must not show in the strides (fake impls: contiguous)
 
 
 # ---------------------------------------------------------------- fp8_linear
@@ -191,29 +195,57 @@ def _linear_setup(ctx, inputs, output):
     ctx.cfg = (recipe, fmt, block, bias is not None, tuple(x.shape), x.dtype)
 
 
-def _linear_backward(ctx, dy, *_unused):
-    x_q, x_s, w, amax = ctx.saved_tensors
-    history = ctx.history
-    recipe, fmt, block, has_bias, x_shape, x_dtype = ctx.cfg
+def fp8_linear_backward_ref(
+    dy: Tensor, x_q: Tensor, x_s: Tensor, w: Tensor, history: Optional[Tensor], recipe: str, fmt: str, block: int,
+    x_dtype: torch.dtype, need_x: bool, need_w: bool, need_b: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx_MK, dw_NK, db_N, amax_grad): FP8 dgrad and wgrad of `fp8_linear`; a gradient not asked for is empty."""
     gfmt = grad_format(fmt)
     g_MN = dy.reshape(-1, dy.shape[-1]).contiguous()
     w_q, w_s, _ = _quantize(w, "weight", recipe, "e4m3", block, history, 1)  # bit-identical to forward's
     g_q, g_s, amax_g = _quantize(g_MN, "act", recipe, gfmt, block, history, 2)
-    need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    dx = dw = db = None
+    dx, dw, db = (w.new_empty((0,)) for _ in range(3))  # three, not one aliased three times
     if need_x:  # dx_MK = g_MN @ w_NK: contraction over N
         w_t = w_q.t().contiguous()
         w_ts = w_s.t().contiguous() if w_s.dim() else w_s
-        dx = fp8_mm(g_q, g_s, w_t, w_ts, block, b_blocks=True).to(x_dtype).reshape(x_shape)
+        dx = fp8_mm(g_q, g_s, w_t, w_ts, block, b_blocks=True).to(x_dtype)
     if need_w:  # dw_NK = g^T_NM @ x_MK: contraction over M
         gt_q, gt_s = _transposed_tiles(g_q, g_s, recipe, gfmt, block)
         xt_q, xt_s = _transposed_tiles(x_q, x_s, recipe, "e4m3", block)
         dw = fp8_mm(gt_q, gt_s, xt_q, xt_s, block, b_blocks=False).to(w.dtype)
-    if need_b and has_bias:
+    if need_b:
         db = g_MN.float().sum(0).to(w.dtype)
+    return dx, dw, db, amax_g
+
+
+@library.op("moecompile::fp8_linear_backward")
+def _fp8_linear_backward_op(
+    dy: Tensor, x_q: Tensor, x_s: Tensor, w: Tensor, history: Optional[Tensor], recipe: str, fmt: str, block: int,
+    x_dtype: torch.dtype, need_x: bool, need_w: bool, need_b: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One op, so a compiled backward calls it instead of tracing its float8 pads (module doc)."""
+    return fp8_linear_backward_ref(dy, x_q, x_s, w, history, recipe, fmt, block, x_dtype, need_x, need_w, need_b)
+
+
+@_fp8_linear_backward_op.register_fake
+def _fp8_linear_backward_fake(dy, x_q, x_s, w, history, recipe, fmt, block, x_dtype, need_x, need_w, need_b):
+    M, (N, K) = x_q.shape[0], w.shape
+    return (dy.new_empty((M, K) if need_x else (0,), dtype=x_dtype if need_x else w.dtype),
+            w.new_empty((N, K) if need_w else (0,)), w.new_empty((N,) if need_b else (0,)),
+            dy.new_empty((), dtype=torch.float32))
+
+
+def _linear_backward(ctx, dy, *_unused):
+    x_q, x_s, w, amax = ctx.saved_tensors
+    history = ctx.history
+    recipe, fmt, block, has_bias, x_shape, x_dtype = ctx.cfg
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    dx, dw, db, amax_g = torch.ops.moecompile.fp8_linear_backward(
+        dy, x_q, x_s, w, history, recipe, fmt, block, x_dtype, need_x, need_w, need_b and has_bias)
     if history is not None:
         update_amax_history(history, torch.cat([amax, amax_g.reshape(1)]))
-    return dx, dw, db, None, None, None, None
+    return (dx.reshape(x_shape) if need_x else None, dw if need_w else None, db if need_b and has_bias else None,
+            None, None, None, None)
 
 
 _fp8_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -269,15 +301,15 @@ def _grouped_setup(ctx, inputs, output):
     ctx.cfg = (recipe, fmt, block, bias_EO is not None, x_NI.dtype)
 
 
-def _grouped_backward(ctx, dy_NO, *_unused):
-    x_q, x_s, w_EOI, sizes_E, amax = ctx.saved_tensors
-    history = ctx.history
-    recipe, fmt, block, has_bias, x_dtype = ctx.cfg
+def fp8_grouped_linear_backward_ref(
+    dy_NO: Tensor, x_q: Tensor, x_s: Tensor, w_EOI: Tensor, sizes_E: Tensor, history: Optional[Tensor], recipe: str,
+    fmt: str, block: int, x_dtype: torch.dtype, need_x: bool, need_w: bool, need_b: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dx_NI, dw_EOI, db_EO, amax_grad) of `fp8_grouped_linear`; a gradient not asked for is empty."""
     dy_NO = dy_NO.contiguous()
     w_q, w_s, _ = _quantize(w_EOI, "weight", recipe, "e4m3", block, history, 1)
     g_q, g_s, amax_g = _quantize(dy_NO, "act", recipe, grad_format(fmt), block, history, 2)
-    need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
-    dx = dw = db = None
+    dx, dw, db = (w_EOI.new_empty((0,)) for _ in range(3))
     if need_x:  # dx_NI[rows of e] = dy[rows of e] @ w[e]: the transposed weight, its blocks transposed
         w_ts = w_s.transpose(-1, -2).contiguous() if w_s.dim() == 3 else w_s
         dx = torch.ops.moecompile.grouped_mm_fp8(
@@ -286,11 +318,42 @@ def _grouped_backward(ctx, dy_NO, *_unused):
     if need_w:
         x_NI = dequantize_fp8(x_q, x_s, "tile" if recipe == "blockwise" else "tensorwise", block)
         dw = torch.ops.moecompile.grouped_mm_wgrad(dy_NO.float(), x_NI, sizes_E).to(w_EOI.dtype)
-    if need_b and has_bias:
+    if need_b:
         db = _segment_sum(dy_NO, sizes_E)
+    return dx, dw, db, amax_g
+
+
+@library.op("moecompile::fp8_grouped_linear_backward")
+def _fp8_grouped_backward_op(
+    dy_NO: Tensor, x_q: Tensor, x_s: Tensor, w_EOI: Tensor, sizes_E: Tensor, history: Optional[Tensor], recipe: str,
+    fmt: str, block: int, x_dtype: torch.dtype, need_x: bool, need_w: bool, need_b: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One op for the reason `fp8_linear_backward` is one (its dequantize of float8 activations too)."""
+    return fp8_grouped_linear_backward_ref(dy_NO, x_q, x_s, w_EOI, sizes_E, history, recipe, fmt, block, x_dtype,
+                                           need_x, need_w, need_b)
+
+
+@_fp8_grouped_backward_op.register_fake
+def _fp8_grouped_backward_fake(dy_NO, x_q, x_s, w_EOI, sizes_E, history, recipe, fmt, block, x_dtype,
+                               need_x, need_w, need_b):
+    (N, I), (E, O, _) = x_q.shape, w_EOI.shape
+    return (dy_NO.new_empty((N, I) if need_x else (0,), dtype=x_dtype if need_x else w_EOI.dtype),
+            w_EOI.new_empty((E, O, I) if need_w else (0,)),
+            (dy_NO.new_empty((E, O)) if need_b else w_EOI.new_empty((0,))),
+            dy_NO.new_empty((), dtype=torch.float32))
+
+
+def _grouped_backward(ctx, dy_NO, *_unused):
+    x_q, x_s, w_EOI, sizes_E, amax = ctx.saved_tensors
+    history = ctx.history
+    recipe, fmt, block, has_bias, x_dtype = ctx.cfg
+    need_x, need_w, _, need_b = ctx.needs_input_grad[:4]
+    dx, dw, db, amax_g = torch.ops.moecompile.fp8_grouped_linear_backward(
+        dy_NO, x_q, x_s, w_EOI, sizes_E, history, recipe, fmt, block, x_dtype, need_x, need_w, need_b and has_bias)
     if history is not None:
         update_amax_history(history, torch.cat([amax, amax_g.reshape(1)]))
-    return dx, dw, None, db, None, None, None, None
+    return (dx if need_x else None, dw if need_w else None, None, db if need_b and has_bias else None,
+            None, None, None, None)
 
 
 _fp8_grouped_op.register_autograd(_grouped_backward, setup_context=_grouped_setup)
