@@ -108,9 +108,32 @@ def _mark_integer_outputs(ctx: Any, output: Any) -> None:
         ctx.mark_non_differentiable(*integer)
 
 
+def _tag_compile_caches() -> str:
+    """Key torch.compile's caches on this package's source as well: a compiled backward traces the ops'
+    autograd formulas, which torch's cache keys do not cover, so a changed formula would otherwise be
+    served its stale compiled graph from the on-disk cache (seen while the fp8 backwards became ops)."""
+    import hashlib
+    import os
+
+    import torch.compiler.config as compile_config
+
+    folder = os.path.dirname(os.path.abspath(__file__))
+    digest = hashlib.sha256()
+    for name in sorted(f for f in os.listdir(folder) if f.endswith(".py")):
+        with open(os.path.join(folder, name), "rb") as f:
+            digest.update(name.encode() + f.read())
+    tag = f"moecompile-kernels-{digest.hexdigest()[:16]}"
+    if tag not in compile_config.cache_key_tag:
+        compile_config.cache_key_tag = "+".join(t for t in (compile_config.cache_key_tag, tag) if t)
+    return tag
+
+
+CACHE_TAG = _tag_compile_caches()
+
+
 def op(qualname: str) -> Callable[[Callable], Op]:
     """Decorator: `@op("moecompile::name")` over a fully type-hinted function."""
     return lambda fn: Op(qualname, fn)
 
 
-__all__ = ["Op", "op"]
+__all__ = ["CACHE_TAG", "Op", "op"]

@@ -57,3 +57,22 @@ def test_opcheck_and_traces_as_one_node():
     gm = make_fx(lambda x: scale_top(x, 2)[0], tracing_mode="fake")(torch.randn(4))
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.moecompile_test.scale_top.default) == 1
+
+
+def test_compile_caches_are_keyed_on_the_kernels_source():
+    """torch.compile's on-disk caches do not hash the ops' autograd formulas; the package's tag does."""
+    import hashlib
+    import pathlib
+    import re
+
+    import torch.compiler.config as compile_config
+
+    folder = pathlib.Path(library.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.py"), key=lambda p: p.name):
+        digest.update(path.name.encode() + path.read_bytes())
+    assert re.fullmatch(r"moecompile-kernels-[0-9a-f]{16}", library.CACHE_TAG)
+    assert library.CACHE_TAG == f"moecompile-kernels-{digest.hexdigest()[:16]}"
+    assert library.CACHE_TAG in compile_config.cache_key_tag.split("+")
+    assert library._tag_compile_caches() == library.CACHE_TAG  # idempotent: tagged once
+    assert compile_config.cache_key_tag.split("+").count(library.CACHE_TAG) == 1
