@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Callable
@@ -169,6 +170,7 @@ class TrainStep:
         self.traced_batch = traced_batch(self.module)
         self.parts = 1
         self.forward_module: nn.Module = self.module  # a runner may swap in a split copy (same parameters)
+        self.tracing: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext  # compile sets it
         self.autocast_cache = True
         from .cuda_graphs import make_runner
 
@@ -181,15 +183,20 @@ class TrainStep:
 
     def _compile(self, options: dict[str, Any], mode: str) -> None:
         """The forward under ``torch.compile``: TorchInductor fuses the dense parts (norms, rotary, residuals)
-        and AOTAutograd builds their backward; the MoE ops stay opaque custom ops (fake impls), and a dropless
-        dispatch breaks the graph where it reads its splits on the host. Compiled on the first step."""
+        and AOTAutograd builds their backward; the MoE ops stay opaque custom ops (fake impls). A dropless
+        dispatch's host reads of its splits are traced as unbacked sizes (dynamo's ``capture_scalar_outputs``,
+        set around the compiled forward only), so the forward stays one graph instead of breaking at every
+        layer's exchange. Compiled on the first step."""
         from .cuda_graphs import EagerRunner
 
         if not isinstance(self.runner, EagerRunner):
             raise MoecompileError(
                 f"compile and cuda_graph.mode={mode!r} both take over the forward: choose one (on CUDA, "
                 "compile={'mode': 'reduce-overhead'} captures CUDA graphs of the compiled regions itself)")
+        import torch._dynamo
+
         self.forward_module = torch.compile(self.module, **options)
+        self.tracing = functools.partial(torch._dynamo.config.patch, capture_scalar_outputs=True)
 
     def _overlap_grad_reduce(self) -> bool:
         """The plan's ``parallel.overlap_grad_reduce``; null: on unless the data-parallel group is gloo's."""
@@ -252,7 +259,7 @@ class TrainStep:
 
     def _forward(self, inputs: Any) -> Any:
         shards = self.buckets.param_shards
-        with shards.saving() if shards is not None else contextlib.nullcontext():
+        with shards.saving() if shards is not None else contextlib.nullcontext(), self.tracing():
             if isinstance(inputs, dict):
                 return self.forward_module(**inputs)
             if isinstance(inputs, (tuple, list)):
