@@ -51,6 +51,7 @@ def test_train_five_steps_on_two_ranks_then_resume_on_one(tmp_path):
     assert "micro-batches of 2 per rank; forward under torch.compile" in proc.stdout and re.search(r"steps +2 \(now at step 7\)", proc.stdout), \
         proc.stdout
     assert [int(s) for s in re.findall(r"step +(\d+) +loss", proc.stdout)] == [6, 7]
+    assert re.search(r"tokens/s \([\d,]+ after the first step, which compiled the forward in \d+ s\)", proc.stdout)
     assert json.loads((out / "checkpoint" / "moecompile.json").read_text())["step"] == 7
 
 

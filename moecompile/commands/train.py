@@ -277,6 +277,9 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
     s.step.save(ckpt)
     val = _held_out_loss(s, held_out, rank, world_size)
     summary = _summary(history, seconds, val, ckpt)
+    if args.compile and len(history) > 1:  # the first step compiled the forward: say what the rest ran at
+        rest = history[1:]
+        summary["compiled"] = (history[0].time_s, sum(m.tokens for m in rest) / sum(m.time_s for m in rest))
     summary["optimizer"] = _optimizer_line(s.step, world_size)
     if s.step.buckets.grad_shards is not None:
         ranges = sum(b.grad.numel() * b.grad.element_size() for b in s.step.buckets.grad_shards.buckets)
@@ -394,7 +397,9 @@ def _format_summary(s: dict[str, Any]) -> str:
         "summary",
         f"  steps            {s['steps_run']} (now at step {s['steps']}), {s['tokens']:,} tokens in "
         f"{datetime.timedelta(seconds=round(s['seconds']))}",
-        f"  throughput       {s['tokens_per_s']:,.0f} tokens/s",
+        f"  throughput       {s['tokens_per_s']:,.0f} tokens/s" + (
+            f" ({s['compiled'][1]:,.0f} after the first step, which compiled the forward in "
+            f"{s['compiled'][0]:.0f} s)" if "compiled" in s else ""),
         f"  lm loss          {s['first_loss']:.4f} -> {s['final_loss']:.4f} (mean of the first / last "
         f"{s['averaged_over']} steps; ln 256 = 5.545 is a uniform guess)",
         f"  held-out loss    {s['held_out_loss']:.4f} (text never trained on)",
