@@ -27,6 +27,7 @@ A batch of M times the batch the graph was traced at runs as M micro-batches (gr
 accumulation: each backward adds 1/M of its loss into the buckets, synced once; router losses
 are per micro-batch). Metrics are reduced over the data-parallel group in one small
 collective, launched after the last forward and waited on after the optimizer.
+``compile=True`` runs the forward under ``torch.compile`` (``TrainStep._compile``).
 ``cuda_graph.mode`` picks how the step runs (moecompile.cuda_graphs); on CPU it runs eagerly
 and says so once, and (``keep_host_memory``) keeps freed host memory for reuse, since a fresh
 large CPU tensor costs page faults every step (moecompile.host_memory).
