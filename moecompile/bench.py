@@ -10,7 +10,8 @@ drift hits them alike; each also runs alone once for its peak memory:
 - ``dense``: the source model, the cost floor of the same attention without experts;
 - ``moecompile``: ``build_train_step`` on the converted graph (``moecompile_epN``: N ranks over
   gloo, each with batch / N, experts sharded N ways; a step's time is the slowest rank's;
-  ``moecompile_compiled``: the same step with ``compile=True``, compiled during the warm-up);
+  ``moecompile_compiled`` / ``moecompile_compiled_epN``: the same step with ``compile=True``, compiled
+  during the warm-up);
 - ``hf_eager``, ``hf_grouped_mm``: the converted model exported with ``export_hf`` and loaded
   back as Hugging Face's own Mixtral / Qwen3-MoE with that ``experts_implementation``: the
   peer a user would otherwise pick, holding identical weights (the first losses agree).
@@ -19,6 +20,7 @@ drift hits them alike; each also runs alone once for its peak memory:
 from __future__ import annotations
 
 import dataclasses
+import re
 import resource
 import statistics
 import tempfile
@@ -108,11 +110,12 @@ def bench(spec: BenchSpec, variants: tuple[str, ...] = VARIANTS, threads: int | 
 def _world(variant: str, spec: BenchSpec) -> int:
     if variant in VARIANTS + EXTRA_VARIANTS:
         return 1
-    ep = variant.removeprefix("moecompile_ep")
-    if not variant.startswith("moecompile_ep") or not ep.isdigit() or int(ep) < 1:
+    match = re.fullmatch(r"moecompile(?:_compiled)?_ep(\d+)", variant)
+    if match is None or int(match.group(1)) < 1:
         known = ", ".join(VARIANTS + EXTRA_VARIANTS)
-        raise MoecompileError(f"unknown bench variant {variant!r}; choose from {known} or "
-                              "moecompile_epN (N ranks)")
+        raise MoecompileError(f"unknown bench variant {variant!r}; choose from {known}, moecompile_epN or "
+                              "moecompile_compiled_epN (N ranks)")
+    ep = match.group(1)
     if spec.batch % int(ep):
         raise MoecompileError(f"{variant}: the batch of {spec.batch} sequences does not split over {ep} ranks; "
                               f"use a batch that is a multiple of {ep}")
@@ -170,7 +173,7 @@ def _build(variant: str, spec: BenchSpec, world: int, x: torch.Tensor) -> Callab
     if variant.startswith("moecompile"):
         step = build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=spec.lr), precision="fp32",
                                 world=world_obj, keep_host_memory=spec.keep_host_memory,
-                                compile=variant == "moecompile_compiled")
+                                compile=variant.startswith("moecompile_compiled"))
         return lambda x, y: step(x, y).lm_loss
     aux = plan.experts.aux_loss != "none"
     peer = _hf_peer(result, dense.config, variant.removeprefix("hf_"), aux)
@@ -216,14 +219,15 @@ def render(spec: BenchSpec, rows: list[BenchRow]) -> str:
     hf = [r for r in rows if r.variant.startswith("hf_")]
     fastest_hf = max(hf, key=lambda r: r.tokens_per_s) if hf else None
     dense = by.get("dense")
+    w = max([18, *(len(r.variant) + 1 for r in rows)])  # moecompile_compiled_ep2 is wider than the rest
     lines = [f"{spec.model}: {e['num_experts']} experts top-{e['top_k']}, batch {spec.batch} x {spec.seq} tokens, "
              f"median of {spec.steps} steps after {spec.warmup} warm-up, {spec.rounds} round(s) of fresh processes",
-             f"{'variant':<18}{'ms/step':>9}{'min..max':>17}{'tokens/s':>10}{'vs HF':>8}{'vs dense':>9}"
+             f"{'variant':<{w}}{'ms/step':>9}{'min..max':>17}{'tokens/s':>10}{'vs HF':>8}{'vs dense':>9}"
              f"{'RSS +MB':>9}  lm loss first -> last"]
     for r in rows:
         vs_hf = f"{r.tokens_per_s / fastest_hf.tokens_per_s:.2f}x" if fastest_hf else "-"
         vs_dense = f"{r.tokens_per_s / dense.tokens_per_s:.2f}x" if dense else "-"
-        lines.append(f"{r.variant:<18}{r.ms:9.1f}{f'{r.ms_min:.1f}..{r.ms_max:.1f}':>17}{r.tokens_per_s:10,.0f}"
+        lines.append(f"{r.variant:<{w}}{r.ms:9.1f}{f'{r.ms_min:.1f}..{r.ms_max:.1f}':>17}{r.tokens_per_s:10,.0f}"
                      f"{vs_hf:>8}{vs_dense:>9}{r.peak_rss_growth_mb:9.1f}  {r.losses[0]:.4f} -> {r.losses[-1]:.4f}")
     if fastest_hf:
         from .models import load_config, own_experts

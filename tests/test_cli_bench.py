@@ -29,6 +29,8 @@ def test_bench_variants_train_the_same_model(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--variants", "moecompile,megatron"], "unknown bench variant 'megatron'"),
+    (["--variants", "moecompile_compiled_ep0"], "unknown bench variant 'moecompile_compiled_ep0'"),
+    (["--variants", "moecompile_compiled_ep3"], "does not split over 3 ranks"),
     (["--nproc", "3"], "does not split over 3 ranks"),
     (["--set", "parallel.ep=2"], "leave parallel.ep at 1"),
     (["--rounds", "0"], "--rounds must be >= 1"),
