@@ -128,7 +128,8 @@ def worker(rank: int, ep: int, port: int, cfg: dict, out: Any) -> None:
 def run_ep(ep: int, cfg: dict) -> list[list[dict]]:
     ctx = torch.multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, ep, free_port(), cfg, out)) for r in range(ep)]
+    port = free_port()  # one rendezvous for all the ranks
+    procs = [ctx.Process(target=worker, args=(r, ep, port, cfg, out)) for r in range(ep)]
     for p in procs:
         p.start()
     gathered = out.get(timeout=cfg["timeout"])

@@ -154,7 +154,7 @@ def world_from_plan(plan: Any) -> World:
 
 def check_ep(ep: int, world_size: int) -> None:
     """A ``PlanError`` naming both numbers unless ``ep`` divides the world (before any rank or group exists)."""
-    W = world_size  # the name the message uses
+    W = world_size
     if ep < 1 or W % ep:
         raise PlanError(
             "parallel.ep", ep, f"must divide the world size {W} (world_size % ep = {W % ep if ep >= 1 else W}); "
