@@ -95,7 +95,19 @@ def trace(
         model.train(was_training)
     # The graph is fixed to the mode it was traced in (dropout is baked in as an op), and
     # ExportedProgram.module() refuses .train()/.eval(): trace in the mode you will run.
-    return exported.module()
+    return drop_dtype_asserts(exported.module())
+
+
+def drop_dtype_asserts(gm: fx.GraphModule) -> fx.GraphModule:
+    """Erase export's ``_assert_tensor_metadata`` checks. Export asserts, before each ``.to()`` a model makes
+    (Qwen3's q/k norms, DeepSeek-V3's MLA), that its input still has the traced dtype; under bf16 autocast the
+    linear before it returns bf16 and the step would fail on a cast that is the model's own upcast."""
+    asserts = [n for n in gm.graph.nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
+    for n in asserts:
+        gm.graph.erase_node(n)
+    if asserts:
+        gm.recompile()
+    return gm
 
 
 @contextlib.contextmanager

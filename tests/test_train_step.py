@@ -110,6 +110,23 @@ def test_bf16_autocast_keeps_fp32_master_weights(data):
     assert not bf16.masters
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-deepseek-v3"])
+def test_bf16_autocast_runs_models_that_upcast_inside(name, data):
+    """Qwen3's q/k norms and DeepSeek-V3's MLA call .to(float32) on a linear's output; export asserted that output
+    fp32 as traced, and under autocast (the CUDA default for an fp32 model) the step failed on the bf16 one."""
+    from moecompile.models import load_config, own_experts
+
+    def step(precision: str) -> mc.TrainStep:
+        dense, (ids,) = build_model(name, vocab_size=256, batch_size=BATCH, seq_len=SEQ)
+        plan = {"experts": own_experts(load_config(name)) or {"num_experts": 4, "top_k": 2}}
+        return mc.build_train_step(mc.convert(dense, plan, (ids,)), optimizer=adamw, precision=precision)
+
+    fp32, bf16 = step("fp32"), step("bf16")
+    for i in range(2):
+        m32, m16 = fp32(data[i]), bf16(data[i])
+        assert abs(m32.loss - m16.loss) < 0.05, (m32.loss, m16.loss)
+
+
 def test_bf16_model_trains_through_fp32_masters(data):
     _, result = convert({}, dtype="bfloat16")
     step = mc.build_train_step(result, optimizer=adamw, precision="bf16")
