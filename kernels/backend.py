@@ -5,6 +5,9 @@
     triton      Triton            Triton under TRITON_INTERPRET=1, else KernelError
     reference   reference         reference
 
+Inside `cross_compile.cross_compiling(arch)` an op with a Triton body calls it, on any device, for
+its launches to compile for that GPU (nothing runs), and returns its reference's result.
+
 A host body is a faster torch implementation for CPU tensors than the reference's readable
 one-op-a-pass formula (adamw_update: torch's fused CPU AdamW over cache-sized chunks); the
 reference stays the oracle both are tested against.
@@ -48,6 +51,9 @@ _HOST: dict[str, Callable] = {}  # op name -> its body for CPU tensors under "au
 # A process-wide stack, not a ContextVar: autograd runs CUDA backward on its own
 # threads, which would not see a context-local override.
 _SCOPE: list[str] = []
+# Target archs of the active cross_compile.cross_compiling() blocks: inside one, an op with a Triton body
+# calls it (its launches compile for the target, nothing runs) and returns its reference's result.
+_CROSS: list[int] = []
 
 
 def register(name: str, reference: Callable, triton: Optional[str] = None, host: Optional[Callable] = None) -> None:
@@ -151,6 +157,8 @@ def implementation(name: str, device: torch.device) -> Callable:
     """The callable that runs op `name` on `device`: its Triton body, host body or reference."""
     if name not in _REFERENCE:
         raise KernelError(f"no kernel registered as {name!r}; known: {sorted(_REFERENCE)}")
+    if _CROSS and name in _TRITON:
+        return functools.partial(_compile_then_reference, name)
     if not uses_triton(device):
         if choice() == "auto" and device.type == "cpu" and name in _HOST:
             return _HOST[name]
@@ -158,6 +166,22 @@ def implementation(name: str, device: torch.device) -> Callable:
     if name not in _TRITON:
         raise KernelError(f"op {name!r} has no Triton body; run it with {ENV_VAR}=reference")
     return _load(_TRITON[name])
+
+
+def _compile_then_reference(name: str, *args, **kwargs):
+    _load(_TRITON[name])(*args, **kwargs)  # compiles its launches for the cross target; writes nothing
+    return _REFERENCE[name](*args, **kwargs)
+
+
+def target_arch(device: torch.device) -> Optional[int]:
+    """The GPU architecture ops on ``device`` compile for (90 for sm_90): the cross-compile target inside
+    ``cross_compile.cross_compiling``, the device's own on CUDA, else None (CPU, interpreter)."""
+    if _CROSS:
+        return _CROSS[-1]
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return 10 * major + minor
+    return None
 
 
 def registered() -> dict[str, bool]:

@@ -28,11 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from moecompile.errors import KernelError
+
 from . import backend, library
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 RECIPES = ("tensorwise", "rowwise", "tile", "block")
 AMAX_EPS = 1e-12  # an all-zero tile gets a tiny scale instead of a division by zero
+FP8_MIN_ARCH = 89  # float8 e4m3 GEMMs (Triton's fp8e4nv, torch._scaled_mm): Ada sm_89, Hopper sm_90 and later
 _FP8_DTYPES = tuple(FORMATS.values())
 
 
@@ -48,6 +51,14 @@ def check_recipe(recipe: str, block: int, who: str = "quantize_fp8") -> None:
             f"{who}: recipe {recipe!r} needs block to be a power of two >= 16 (128 is DeepSeek-V3's), "
             f"got {block}"
         )
+
+
+def check_fp8_arch(device: torch.device, who: str) -> None:
+    """Refuse FP8 on a GPU without float8 e4m3 (an A100's sm_80), before Triton's compiler fails deep inside."""
+    arch = backend.target_arch(device)
+    if arch is not None and arch < FP8_MIN_ARCH:
+        raise KernelError(f"{who}: FP8 needs a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+                          f"sm_{arch} has no float8 e4m3 arithmetic. Set fp8.recipe: none in the plan (bf16 GEMMs)")
 
 
 def _check(x: Tensor, recipe: str, fmt: str, block: int) -> None:

@@ -15,7 +15,7 @@ import triton.language as tl
 import torch
 from torch import Tensor
 
-from .fp8_quantize import AMAX_EPS, FORMATS, _check, empty_scale, fp8_max
+from .fp8_quantize import AMAX_EPS, FORMATS, _check, check_fp8_arch, empty_scale, fp8_max
 
 INTERPRET = triton.knobs.runtime.interpret
 # mantissa bits and smallest normal exponent of each float8 format
@@ -131,6 +131,7 @@ def _tiles(C: int) -> tuple[int, int]:
 
 def quantize_fp8_triton(x: Tensor, recipe: str, fmt: str, block: int) -> tuple[Tensor, Tensor]:
     _check(x, recipe, fmt, block)
+    check_fp8_arch(x.device, "quantize_fp8")
     *lead, R, C = x.shape
     x3 = x.reshape(-1, R, C)
     x3 = x3 if x3.stride(-1) == 1 else x3.contiguous()

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from .grouped_mm import _check, _check_sizes
+from .fp8_quantize import check_fp8_arch
 from .grouped_mm_fp8 import _check as _check_fp8
 
 INTERPRET = triton.knobs.runtime.interpret
@@ -253,6 +254,7 @@ def grouped_mm_fp8_triton(
     recipe: str, block: int, bias_EO: Tensor | None, out_dtype: torch.dtype,
 ) -> Tensor:
     _check_fp8(x_q, x_scale, w_q, w_scale, group_sizes_E, recipe, block, bias_EO, out_dtype)
+    check_fp8_arch(x_q.device, "grouped_mm_fp8")
     N, (E, O, I) = x_q.shape[0], w_q.shape
     _check_sizes(group_sizes_E, N)
     y_NO = x_q.new_empty((N, O), dtype=out_dtype)

@@ -84,6 +84,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--style", choices=("rich", "plain", "markdown"), default=None,
                    help="how to print the report (default: rich on a terminal, plain otherwise)")
     p.add_argument("--quiet", action="store_true", help="write the files, print only where they are")
+    p.add_argument("--kernels", type=_arch, default=None, metavar="ARCH",
+                   help="also compile, for GPU architecture ARCH (90: H100/H200, 80: A100), every Triton kernel one "
+                        "bf16 training step of the converted model launches, without a GPU (Triton's compiler and "
+                        "ptxas); writes kernels_sm<ARCH>.txt: registers and shared memory per kernel, and exits 1 "
+                        "if one cannot launch there")
+
+
+def _arch(text: str) -> int:
+    digits = text.lower().removeprefix("sm_").removeprefix("sm")
+    if not digits.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a GPU architecture: give its number, e.g. 90 or sm_90")
+    return int(digits)
 
 
 def _parse_value(text: str) -> Any:
@@ -198,7 +210,20 @@ def run(args: argparse.Namespace) -> int:
             print(n)
     print(f"wrote {len(files)} passes to {out}/: report.md, index.html, " + ", ".join(
         sorted({k for _, w in files for k in w})) + " per pass")
-    return 0
+    return 0 if args.kernels is None else _kernels(result, example, args.kernels, out)
+
+
+def _kernels(result: Any, example: tuple, arch: int, out: Path) -> int:
+    """Compile the step's Triton kernels for ``sm_<arch>``, print and write their table; 1 if one cannot launch."""
+    from ..kernels.cross_compile import unfit
+    from ..step_kernels import kernel_table, step_kernels
+
+    kernels = step_kernels(result, example[0], arch=arch)
+    table = kernel_table(kernels)
+    (out / f"kernels_sm{arch}.txt").write_text(table + "\n")
+    print(table)
+    print(f"wrote {out}/kernels_sm{arch}.txt")
+    return 1 if unfit(kernels) else 0
 
 
 def _all_but_first_layer(rec: Any) -> list[str]:
