@@ -47,7 +47,10 @@ def test_kernels_fit_an_sm90(compiled):
     kernels = [CompiledKernel(**k) for k in compiled["kernels"]]
     assert unfit(kernels) == []
     fixed = [k for k in kernels if not k.autotune_config]
-    assert all(k.shared <= MAX_SHARED[90] and k.registers <= 255 for k in fixed)
+    assert all(k.shared <= MAX_SHARED[90] for k in fixed)
+    # under ptxas's cap (255 is where it starts to spill; the glu backward sat there on 4 warps), no spills at all
+    assert max(k.registers for k in fixed) < 255, max(fixed, key=lambda k: k.registers).describe()
+    assert all(k.local == 0 for k in kernels), [k.describe() for k in kernels if k.local]
     # the GPU tiles, not the interpreter's small ones: the expert GEMMs autotune over 6 configs up to 128 x 256
     gemm = [k for k in kernels if k.name == "_grouped_mm_kernel"]
     assert {(k.constants["BLOCK_M"], k.constants["BLOCK_N"]) for k in gemm} >= {(128, 256), (64, 64)}
