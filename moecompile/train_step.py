@@ -216,6 +216,7 @@ class TrainStep:
                 raise MoecompileError("call the step as step(inputs, targets) or step((inputs, targets))")
             inputs, targets = inputs
         start = time.perf_counter()
+        inputs, targets = to_device((inputs, targets), self.device)  # a host batch goes to the step's device
         out = self.runner(inputs, targets)
         stats = out["stats"].tolist()  # waits for the device, so the step's time includes its kernels
         norm = None if out.get("grad_norm") is None else float(out["grad_norm"])
@@ -442,6 +443,17 @@ def _numel(t: Any) -> int:
     if isinstance(t, dict) and "labels" in t:
         return t["labels"].numel()
     raise MoecompileError("targets must be a tensor (the next-token ids, one per input position)")
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (a tensor, or tuples, lists and dicts of them) with its tensors on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
 
 
 _AUTOCAST_DONE: set[str] = set()

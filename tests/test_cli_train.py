@@ -93,6 +93,7 @@ def test_a_micro_batch_that_does_not_divide_the_rank_batch_is_a_clean_error(tmp_
     (["--batch", "7"], "--batch 7 must be a multiple of the 2 ranks"),
     (["--model", "tiny-phi3", "--export-hf", "hf"], "no Hugging Face MoE architecture takes a 'phi3' model"),
     (["--set", "experts.shared_experts=1", "--export-hf", "hf"], "cannot export as mixtral: the plan has 1 shared"),
+    (["--device", "cuda"], "--device cuda: torch sees no CUDA device"),
 ])
 def test_what_the_arguments_decide_fails_once_before_any_rank_starts(tmp_path, capsys, monkeypatch, args, words):
     """Two ranks asked for: the plan, the batch split and the export target are checked in the launcher, one
@@ -104,6 +105,34 @@ def test_what_the_arguments_decide_fails_once_before_any_rank_starts(tmp_path, c
     assert cli.main(["train", "--nproc", "2", "--steps", "1", "--out", str(tmp_path), *args]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("moecompile train:") == 1, err
+
+
+@pytest.mark.parametrize("choice, gpus, env, want", [
+    ("auto", 0, {}, "cpu"),
+    ("auto", 2, {}, "cuda:1"),  # spawned rank 1 of 2 (its LOCAL_RANK) on its own GPU
+    ("auto", 1, {}, "cpu"),  # two ranks, one GPU: NCCL takes one rank per GPU
+    ("auto", 8, {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8"}, "cuda:3"),  # torchrun's environment
+    ("cpu", 2, {}, "cpu"),
+    ("cuda", 1, {}, "launch at most 1 (--nproc 1"),
+])
+def test_the_device_is_a_gpu_per_local_rank_or_the_cpu(monkeypatch, choice, gpus, env, want):
+    """On a GPU machine `moecompile train` used to stay on the CPU and still pick NCCL (which refuses CPU tensors)."""
+    import torch
+
+    from moecompile.commands.train import resolve_device
+    from moecompile.errors import MoecompileError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    for key in ("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if want.startswith(("cpu", "cuda:")):
+        assert str(resolve_device(choice, rank=1, world_size=2)) == want
+    else:
+        with pytest.raises(MoecompileError, match=re.escape(want)):
+            resolve_device(choice, rank=1, world_size=2)
 
 
 def test_the_lr_schedule_warms_up_decays_and_resumes_where_it_stopped():

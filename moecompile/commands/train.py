@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-HELP = "Upcycle a dense model into an MoE and train it (ep over local gloo ranks or torchrun) on byte-level text."
+HELP = "Upcycle a dense model into an MoE and train it (ep over local ranks or torchrun, CPU or GPU) on byte-level text."
 
 DEFAULT_MODEL = "tiny-llama"
 DEFAULT_MODEL_CONFIG = {"hidden_size": 128, "intermediate_size": 256}  # only when --model is not given
@@ -44,8 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "with MoE layers of its own keeps its experts)")
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="change one plan field (repeatable), e.g. parallel.dispatcher=allgather")
-    p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn over gloo (default 2; ignored "
-                   "under torchrun, which sets the world)")
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn, over gloo on the CPU or NCCL on "
+                   "GPUs (see --device; default 2; ignored under torchrun, which sets the world)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps in total (default 300)")
     p.add_argument("--batch", type=int, default=8, help="global batch, split over the ranks (default 8)")
     p.add_argument("--seq", type=int, default=64, help="bytes per sequence (default 64)")
@@ -73,6 +73,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, metavar="DIR", help="directory of *.py text (default: the Python stdlib)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where each rank trains: cuda (GPU <local rank>, NCCL) or cpu (gloo); auto: cuda when every "
+                        "rank on this machine has a GPU of its own, else cpu (default auto)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,7 +166,29 @@ def preflight(args: argparse.Namespace, world_size: int) -> _Checked:
                               f"gets (--batch {args.batch} over {world_size} ranks)")
     if args.export_hf:
         check_exportable(arch_for(getattr(config, "model_type", None)), plan, config)
+    resolve_device(args.device, 0, world_size)
     return _Checked(model, overrides, plan, micro)
+
+
+def resolve_device(choice: str, rank: int, world_size: int) -> Any:
+    """``--device``: ``cuda:<local rank>`` when asked for, or under ``auto`` when each rank on this machine has a
+    GPU of its own (NCCL allows one rank per GPU); else the CPU (gloo)."""
+    import torch
+
+    from ..errors import MoecompileError
+
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "cpu" or (choice == "auto" and gpus < local_ranks):
+        return torch.device("cpu")
+    if gpus < local_ranks:
+        raise MoecompileError(f"--device cuda: the {local_ranks} rank(s) on this machine need a GPU each and torch "
+                              f"sees {gpus}; launch at most {gpus} (--nproc {gpus}, --nproc-per-node under torchrun) "
+                              "or train on the CPU with --device cpu" if gpus else
+                              "--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); "
+                              "train on the CPU with --device cpu")
+    return torch.device("cuda", local_rank)
 
 
 def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
@@ -180,9 +205,12 @@ def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
     threads = args.threads or max(1, (os.cpu_count() or 1) // world_size)
     torch.set_num_threads(threads)
     torch.manual_seed(args.seed)
+    device = resolve_device(args.device, rank, world_size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     world = None
     if world_size > 1:
-        world = distributed.init(plan)
+        world = distributed.init(plan, backend="nccl" if device.type == "cuda" else "gloo")
     if has_weights(model):  # a trained checkpoint fixes its shapes: check instead of overriding
         if load_config(model).vocab_size < 256:
             raise MoecompileError(f"{model} has a vocabulary of {load_config(model).vocab_size} tokens; the "
@@ -193,6 +221,7 @@ def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
         overrides.setdefault("max_position_embeddings", max(args.seq, 128))
     dense, (ids,) = build_model(model, batch_size=micro, seq_len=args.seq, seed=args.seed,
                                 **overrides)
+    dense, ids = dense.to(device), ids.to(device)
     result = convert(dense, plan, (ids,), world=world)
     clip = args.clip if args.clip > 0 else None
     step = build_train_step(result, optimizer=_adamw(args), clip_grad_norm=clip, world=world, compile=args.compile)
@@ -255,7 +284,8 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
         groups = f" within {e.route_group_top_k} of {e.route_groups} groups" if e.route_groups > 1 else ""
         print(f"moecompile train: {source} {how}{e.num_experts} experts top-{e.top_k}{groups}"
               f"{'' if adopted else f' (G={e.granularity})'}, ep={s.plan.parallel.ep} over {world_size} rank(s) "
-              f"({s.plan.parallel.dispatcher}, {s.plan.parallel.dispatch_mode}); {n_params:,} parameters on this rank; "
+              f"({s.plan.parallel.dispatcher}, {s.plan.parallel.dispatch_mode}) on {s.step.device.type}; "
+              f"{n_params:,} parameters on this rank; "
               f"batch {args.batch} x {args.seq} bytes of {len(text):,} bytes of text"
               + (f", micro-batches of {args.micro_batch} per rank" if args.micro_batch else "")
               + ("; forward under torch.compile" if args.compile else ""), flush=True)
@@ -345,12 +375,12 @@ def _held_out_loss(s: _Setup, data: Any, rank: int, world_size: int, batches: in
     import torch
     import torch.distributed as dist
 
-    from ..train_step import causal_lm_loss
+    from ..train_step import causal_lm_loss, to_device
 
-    total = torch.zeros(1, dtype=torch.float64)
+    total = torch.zeros(1, dtype=torch.float64, device=s.step.device)
     with torch.no_grad():
         for i in range(batches):
-            parts = s.step.micro_batches(*data.shard(i, rank, world_size))
+            parts = s.step.micro_batches(*to_device(data.shard(i, rank, world_size), s.step.device))
             for x, y in parts:
                 total += causal_lm_loss(s.result.module(x), y).double() / len(parts)
     if s.world is not None:
