@@ -51,6 +51,7 @@ class BenchSpec:
     lr: float = 1e-3
     seed: int = 0
     keep_host_memory: bool = True  # every variant's process: host_memory.keep_freed_memory(), as the step does
+    device: str = "auto"  # "cpu", "cuda" (rank r on GPU r, NCCL), or auto: cuda if each rank of the widest variant has a GPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +63,9 @@ class BenchRow:
     ms_min: float
     ms_max: float
     tokens_per_s: float
-    peak_rss_growth_mb: float  # the largest rank's, over its step loop, run alone
+    peak_rss_growth_mb: float  # the largest rank's, over its step loop, run alone (on CUDA: peak allocated growth)
     losses: tuple[float, ...]  # lm (cross-entropy) loss of every step, warm-up included
+    device: str = "cpu"  # where it ran: "cpu" or "cuda"
 
 
 def bench(spec: BenchSpec, variants: tuple[str, ...] = VARIANTS, threads: int | None = None,
@@ -75,10 +77,13 @@ def bench(spec: BenchSpec, variants: tuple[str, ...] = VARIANTS, threads: int | 
     measured, and turn-taking exposes every variant to the same drift. Memory needs a process of
     its own, so each of them is run once more alone for its peak RSS growth over two steps.
     """
+    from .devices import backend_for, resolve_device
     from .planner.microbench import run_ranks, threads_per_rank
 
     threads = threads or threads_per_rank(1)
     worlds = {v: _world(v, spec) for v in variants}
+    device = resolve_device(spec.device, 0, max(worlds.values()))  # one device for every row: the table compares
+    spec = dataclasses.replace(spec, device=device.type)
     groups = [tuple(v for v, w in worlds.items() if w == 1)] + [(v,) for v, w in worlds.items() if w > 1]
     groups = [g for g in groups if g]
     timed: dict[str, list[float]] = {v: [] for v in variants}
@@ -87,7 +92,8 @@ def bench(spec: BenchSpec, variants: tuple[str, ...] = VARIANTS, threads: int | 
 
     def run(group: tuple[str, ...], s: BenchSpec) -> dict[str, dict[str, Any]]:
         world = worlds[group[0]]
-        ranks = run_ranks(_measure, world, (group, s), threads=max(1, threads // world), timeout_s=timeout_s)
+        ranks = run_ranks(_measure, world, (group, s), threads=max(1, threads // world), timeout_s=timeout_s,
+                          backend=backend_for(device))
         return {v: {"times": [max(t) for t in zip(*(r[v]["times"] for r in ranks))],  # a step ends with its
                     "losses": ranks[0][v]["losses"],                                   # slowest rank
                     "rss_mb": max(r[v]["rss_mb"] for r in ranks)} for v in group}
@@ -104,7 +110,8 @@ def bench(spec: BenchSpec, variants: tuple[str, ...] = VARIANTS, threads: int | 
             for v in group:
                 rss[v] = run((v,), dataclasses.replace(spec, warmup=1, steps=1))[v]["rss_mb"]
     return [BenchRow(v, 1e3 * statistics.median(t), 1e3 * min(t), 1e3 * max(t),
-                     spec.batch * spec.seq / statistics.median(t), rss[v], losses[v]) for v, t in timed.items()]
+                     spec.batch * spec.seq / statistics.median(t), rss[v], losses[v], device.type)
+            for v, t in timed.items()]
 
 
 def _world(variant: str, spec: BenchSpec) -> int:
@@ -125,17 +132,21 @@ def _world(variant: str, spec: BenchSpec) -> int:
 def _measure(rank: int, world: int, variants: tuple[str, ...], spec: BenchSpec) -> dict[str, dict[str, Any]]:
     """Build the variants, then run warm-up + timed steps, the variants in turn; times, losses, RSS growth.
 
-    RSS growth (peak over the loop minus peak before it) is only a variant's own when it runs alone.
+    RSS growth (peak over the loop minus peak before it) is only a variant's own when it runs alone; on a
+    GPU the growth of the peak allocated device memory stands in for it.
     """
+    from .devices import resolve_device
+
     if spec.keep_host_memory:  # before any variant allocates, so all of them run on the same malloc
         from .host_memory import keep_freed_memory
 
         keep_freed_memory()
+    device = resolve_device(spec.device, rank, world)
     torch.manual_seed(spec.seed)
-    x, y = _tokens(spec, rank, world)
+    x, y = (t.to(device) for t in _tokens(spec, rank, world))
     steps = {v: _build(v, spec, world, x) for v in variants}
     out: dict[str, dict[str, Any]] = {v: {"times": [], "losses": []} for v in variants}
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = _memory_mb(device, peak=False)
     for _ in range(spec.warmup + spec.steps):
         for v, step in steps.items():
             if world > 1:
@@ -143,10 +154,20 @@ def _measure(rank: int, world: int, variants: tuple[str, ...], spec: BenchSpec) 
             start = time.perf_counter()
             out[v]["losses"].append(step(x, y))  # returns a float: the step has finished
             out[v]["times"].append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = _memory_mb(device, peak=True)
     for v in variants:
-        out[v]["rss_mb"] = (peak - base) / 1024
+        out[v]["rss_mb"] = peak - base
     return out
+
+
+def _memory_mb(device: torch.device, peak: bool) -> float:
+    """The process's peak RSS (CPU), or the device's allocated memory now / at its peak since now (CUDA)."""
+    if device.type != "cuda":
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if peak:
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device) / 2**20
 
 
 def _tokens(spec: BenchSpec, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,6 +188,7 @@ def _build(variant: str, spec: BenchSpec, world: int, x: torch.Tensor) -> Callab
     plan = Plan.from_dict({**spec.plan, "parallel": {**spec.plan.get("parallel", {}), "ep": world}})
     world_obj = distributed.init(plan) if world > 1 else None
     dense, _ = build_model(spec.model, batch_size=x.shape[0], seq_len=x.shape[1], seed=spec.seed, **spec.config)
+    dense = dense.to(x.device)
     if variant == "dense":
         return _plain_step(dense, spec.lr, aux_coeff=0.0)
     result = convert(dense, plan, (x,), world=world_obj)
@@ -176,7 +198,7 @@ def _build(variant: str, spec: BenchSpec, world: int, x: torch.Tensor) -> Callab
                                 compile=variant.startswith("moecompile_compiled"))
         return lambda x, y: step(x, y).lm_loss
     aux = plan.experts.aux_loss != "none"
-    peer = _hf_peer(result, dense.config, variant.removeprefix("hf_"), aux)
+    peer = _hf_peer(result, dense.config, variant.removeprefix("hf_"), aux).to(x.device)
     return _plain_step(peer, spec.lr, aux_coeff=plan.experts.aux_loss_coeff if aux else 0.0)
 
 
@@ -220,10 +242,12 @@ def render(spec: BenchSpec, rows: list[BenchRow]) -> str:
     fastest_hf = max(hf, key=lambda r: r.tokens_per_s) if hf else None
     dense = by.get("dense")
     w = max([18, *(len(r.variant) + 1 for r in rows)])  # moecompile_compiled_ep2 is wider than the rest
+    on = rows[0].device if rows else "cpu"
     lines = [f"{spec.model}: {e['num_experts']} experts top-{e['top_k']}, batch {spec.batch} x {spec.seq} tokens, "
-             f"median of {spec.steps} steps after {spec.warmup} warm-up, {spec.rounds} round(s) of fresh processes",
+             f"median of {spec.steps} steps after {spec.warmup} warm-up, {spec.rounds} round(s) of fresh processes, "
+             f"on {on}",
              f"{'variant':<{w}}{'ms/step':>9}{'min..max':>17}{'tokens/s':>10}{'vs HF':>8}{'vs dense':>9}"
-             f"{'RSS +MB':>9}  lm loss first -> last"]
+             f"{'GPU +MB' if on == 'cuda' else 'RSS +MB':>9}  lm loss first -> last"]
     for r in rows:
         vs_hf = f"{r.tokens_per_s / fastest_hf.tokens_per_s:.2f}x" if fastest_hf else "-"
         vs_dense = f"{r.tokens_per_s / dense.tokens_per_s:.2f}x" if dense else "-"

@@ -25,6 +25,7 @@ def test_bench_variants_train_the_same_model(tmp_path, capsys):
     assert mc == pytest.approx(hf, rel=1e-5)  # HF's Mixtral from the export trains the same way
     assert mc == pytest.approx(ep2, rel=1e-5)  # as does ep = 2 on half the batch per rank
     assert "vs HF: tokens/s over the fastest Hugging Face MoE (hf_grouped_mm)" in text
+    assert "round(s) of fresh processes, on cpu" in text and {r["device"] for r in rows.values()} == {"cpu"}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -34,6 +35,7 @@ def test_bench_variants_train_the_same_model(tmp_path, capsys):
     (["--nproc", "3"], "does not split over 3 ranks"),
     (["--set", "parallel.ep=2"], "leave parallel.ep at 1"),
     (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--device", "cuda"], "--device cuda: torch sees no CUDA device"),
 ])
 def test_bench_errors_name_the_fix(argv, message, capsys):
     assert main(["bench", "--model", "tiny-llama", "--batch", "4", *argv]) == 2

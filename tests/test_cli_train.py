@@ -119,7 +119,7 @@ def test_the_device_is_a_gpu_per_local_rank_or_the_cpu(monkeypatch, choice, gpus
     """On a GPU machine `moecompile train` used to stay on the CPU and still pick NCCL (which refuses CPU tensors)."""
     import torch
 
-    from moecompile.commands.train import resolve_device
+    from moecompile.devices import resolve_device
     from moecompile.errors import MoecompileError
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)

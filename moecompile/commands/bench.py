@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads in all (default: every core); "
                    "moecompile_epN gives each rank threads / N")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device,
+                   help="cuda: every variant on GPUs (rank r of an ep variant on GPU r, NCCL); cpu: gloo; auto: cuda "
+                        "when each rank of the widest variant has a GPU (default auto)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         raise MoecompileError(f"--steps and --rounds must be >= 1 and --warmup >= 0, got {args.steps}, "
                               f"{args.rounds} and {args.warmup}")
     spec = BenchSpec(model=model, plan=plan, config=overrides,
-                     batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, rounds=args.rounds)
+                     batch=args.batch, seq=args.seq, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
+                     device=args.device)
     rows = bench(spec, tuple(variants), threads=args.threads or None)
     print(render(spec, rows))
     if args.json:

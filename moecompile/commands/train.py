@@ -25,6 +25,7 @@ from typing import Any
 
 HELP = "Upcycle a dense model into an MoE and train it (ep over local ranks or torchrun, CPU or GPU) on byte-level text."
 
+DEVICES = ("auto", "cpu", "cuda")  # moecompile.devices.CHOICES, without importing torch for --help
 DEFAULT_MODEL = "tiny-llama"
 DEFAULT_MODEL_CONFIG = {"hidden_size": 128, "intermediate_size": 256}  # only when --model is not given
 DEFAULT_PLAN = {"experts": {"num_experts": 8, "top_k": 2, "aux_loss": "global_aux", "aux_loss_coeff": 1e-2,
@@ -73,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, metavar="DIR", help="directory of *.py text (default: the Python stdlib)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+    p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where each rank trains: cuda (GPU <local rank>, NCCL) or cpu (gloo); auto: cuda when every "
                         "rank on this machine has a GPU of its own, else cpu (default auto)")
 
@@ -137,6 +138,7 @@ def preflight(args: argparse.Namespace, world_size: int) -> _Checked:
     """Everything the arguments alone decide, checked before any rank starts or trains: the plan (file,
     ``--set``s, ep), the batch split, and whether ``--export-hf`` can express the model (a run must not
     train for an hour to fail at its export)."""
+    from ..devices import resolve_device
     from ..errors import MoecompileError
     from ..export_hf import arch_for, check_exportable
     from ..models import load_config, own_experts
@@ -166,29 +168,8 @@ def preflight(args: argparse.Namespace, world_size: int) -> _Checked:
                               f"gets (--batch {args.batch} over {world_size} ranks)")
     if args.export_hf:
         check_exportable(arch_for(getattr(config, "model_type", None)), plan, config)
-    resolve_device(args.device, 0, world_size)
+    resolve_device(args.device, 0, world_size)  # --device cuda without a GPU per rank fails here, once
     return _Checked(model, overrides, plan, micro)
-
-
-def resolve_device(choice: str, rank: int, world_size: int) -> Any:
-    """``--device``: ``cuda:<local rank>`` when asked for, or under ``auto`` when each rank on this machine has a
-    GPU of its own (NCCL allows one rank per GPU); else the CPU (gloo)."""
-    import torch
-
-    from ..errors import MoecompileError
-
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if choice == "cpu" or (choice == "auto" and gpus < local_ranks):
-        return torch.device("cpu")
-    if gpus < local_ranks:
-        raise MoecompileError(f"--device cuda: the {local_ranks} rank(s) on this machine need a GPU each and torch "
-                              f"sees {gpus}; launch at most {gpus} (--nproc {gpus}, --nproc-per-node under torchrun) "
-                              "or train on the CPU with --device cpu" if gpus else
-                              "--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False); "
-                              "train on the CPU with --device cpu")
-    return torch.device("cuda", local_rank)
 
 
 def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
@@ -196,6 +177,7 @@ def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
 
     from .. import convert
     from .. import distributed
+    from ..devices import backend_for, resolve_device
     from ..errors import MoecompileError
     from ..models import build_model, has_weights, load_config
     from ..train_step import build_train_step
@@ -210,7 +192,7 @@ def _setup(args: argparse.Namespace, rank: int, world_size: int) -> _Setup:
         torch.cuda.set_device(device)
     world = None
     if world_size > 1:
-        world = distributed.init(plan, backend="nccl" if device.type == "cuda" else "gloo")
+        world = distributed.init(plan, backend=backend_for(device))
     if has_weights(model):  # a trained checkpoint fixes its shapes: check instead of overriding
         if load_config(model).vocab_size < 256:
             raise MoecompileError(f"{model} has a vocabulary of {load_config(model).vocab_size} tokens; the "

@@ -77,12 +77,14 @@ def measure_rank(world: int, cpu_time: bool = False) -> dict[str, float]:
     return out
 
 
-def _entry(rank: int, world: int, threads: int, port: int, fn: Callable, args: tuple, out: str) -> None:
+def _entry(rank: int, world: int, threads: int, port: int, fn: Callable, args: tuple, out: str, backend: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=120))
     try:
         torch.save(fn(rank, world, *args), os.path.join(out, f"{rank}.pt"))
@@ -94,8 +96,9 @@ def _entry(rank: int, world: int, threads: int, port: int, fn: Callable, args: t
 
 
 def run_ranks(fn: Callable, world: int, args: tuple = (), threads: int | None = None,
-              timeout_s: float = 600.0) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned CPU processes (gloo up when world > 1).
+              timeout_s: float = 600.0, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned processes (the ``backend`` group up when world > 1;
+    under "nccl" rank r on GPU r).
 
     Returns each rank's result; a rank that raises re-raises here, a hang past ``timeout_s`` is killed.
     """
@@ -103,7 +106,7 @@ def run_ranks(fn: Callable, world: int, args: tuple = (), threads: int | None = 
 
     threads = threads or threads_per_rank(world)
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.start_processes(_entry, args=(world, threads, free_port(), fn, args, out), nprocs=world,
+        ctx = mp.start_processes(_entry, args=(world, threads, free_port(), fn, args, out, backend), nprocs=world,
                                  join=False, start_method="spawn")
         deadline = time.monotonic() + timeout_s
         while not ctx.join(timeout=1.0):
