@@ -124,15 +124,17 @@ def _check_pack(x_NH: Tensor, w_N: Tensor) -> None:
     if x_NH.dim() != 2 or w_N.dim() != 1 or w_N.shape[0] != x_NH.shape[0]:
         raise ValueError(f"pack_row_weights: need x_NH [N, H] and w_N [N], got shapes {tuple(x_NH.shape)} "
                          f"and {tuple(w_N.shape)}")
-    if w_N.dtype != x_NH.dtype:
-        raise ValueError(f"pack_row_weights: the weights are {w_N.dtype} but the rows {x_NH.dtype}; packing "
-                         "would round them to the rows' dtype, so send them on their own")
+    if not (x_NH.is_floating_point() and w_N.is_floating_point()):
+        raise ValueError(f"pack_row_weights: rows and weights must be floating point, got {x_NH.dtype} and {w_N.dtype}")
 
 
 def pack_row_weights_ref(x_NH: Tensor, w_N: Tensor) -> Tensor:
-    """[x_NH | w_N] as one [N, H + 1] tensor."""
+    """[x_NH | w_N] as one [N, H + 1] tensor, in the wider of their dtypes: packing never rounds. (The pass packs
+    rows and weights of one dtype; they differ where bf16 autocast casts the tokens before the permute, and then
+    the rows travel in the weights' fp32 as they did before autocast cast them.)"""
     _check_pack(x_NH, w_N)
-    return torch.cat([x_NH, w_N.unsqueeze(1)], 1)
+    dtype = torch.promote_types(x_NH.dtype, w_N.dtype)
+    return torch.cat([x_NH.to(dtype), w_N.to(dtype).unsqueeze(1)], 1)
 
 
 def _check_unpack(x_NW: Tensor) -> None:
@@ -155,7 +157,7 @@ def _pack_op(x_NH: Tensor, w_N: Tensor) -> Tensor:
 @_pack_op.register_fake
 def _pack_fake(x_NH, w_N):
     _check_pack(x_NH, w_N)
-    return x_NH.new_empty((x_NH.shape[0], x_NH.shape[1] + 1))
+    return x_NH.new_empty((x_NH.shape[0], x_NH.shape[1] + 1), dtype=torch.promote_types(x_NH.dtype, w_N.dtype))
 
 
 @library.op("moecompile::unpack_row_weights")

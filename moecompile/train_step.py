@@ -457,16 +457,39 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 _AUTOCAST_DONE: set[str] = set()
-_AUTOCAST_OPS = ("moecompile::grouped_mm",)  # the expert GEMMs; route / permute / combine keep their dtypes
+_AUTOCAST_OPS = ("moecompile::grouped_mm",)  # the expert GEMMs; route and combine keep their dtypes
 
 
 def _register_moe_autocast(device_type: str) -> None:
-    """Let autocast run the expert GEMMs in bf16 like the dense linears (once per device type)."""
+    """Let autocast run the expert GEMMs in bf16 like the dense linears, and cast the tokens to bf16 before the
+    permute copies each k times and the dispatch sends them (once per device type)."""
     if device_type in _AUTOCAST_DONE:
         return
     for op in _AUTOCAST_OPS:
         torch.library.register_autocast(op, device_type, torch.bfloat16)
+    _register_tokens_autocast("moecompile::permute", device_type, torch.bfloat16)
     _AUTOCAST_DONE.add(device_type)
+
+
+def _register_tokens_autocast(qualname: str, device_type: str, dtype: torch.dtype) -> None:
+    """Autocast for an op whose first argument is the tokens: only they are cast (``register_autocast`` would
+    cast every float argument, here the routing probabilities that order a capacity's drops). Under autocast the
+    residual stream stays fp32 and the experts' GEMMs cast their input to bf16 anyway, so the values the GEMMs
+    see are the same; the permute's gather, the dispatch all-to-all and the rows kept for backward halve."""
+    namespace, name = qualname.split("::")
+    op = getattr(getattr(torch.ops, namespace), name).default
+    key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+    excluded = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+
+    def kernel(_keyset: Any, x: torch.Tensor, *args: Any) -> Any:
+        with torch._C._ExcludeDispatchKeyGuard(excluded):
+            return op(x.to(dtype) if x.is_floating_point() else x, *args)
+
+    lib = _AUTOCAST_LIBS.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
+    lib.impl(name, kernel, key, with_keyset=True)
+
+
+_AUTOCAST_LIBS: dict[str, torch.library.Library] = {}  # kept alive: dropping a Library unregisters its kernels
 
 
 def build_train_step(

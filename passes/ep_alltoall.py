@@ -47,7 +47,8 @@ def _swap_rows(em: Emit, role: Role, w: fx.Node, a: int, b: int, rows: int) -> f
 
 
 def packs_weights(block: Block, cfg: ParallelConfig) -> bool:
-    """Whether ``block``'s routing weights ride in its rows' all-to-all (same dtype, and the plan's rule)."""
+    """Whether ``block``'s routing weights ride in its rows' all-to-all (same dtype, else packing would widen the
+    rows; and the plan's rule)."""
     w_N, x_NH = block.row_weights, block.outs[0]
     if w_N is None or "val" not in x_NH.meta or "val" not in w_N.meta:
         return False

@@ -112,12 +112,24 @@ def loss_of(result, y, target):
 _REFERENCES: dict = {}  # one ep=1 reference per (model, plan minus ep/dispatcher, setup) in a rank process
 
 
-def reference(model, p: mc.Plan, xs, targets, setup=None) -> tuple[list, list, dict]:
+def precision(autocast: bool):
+    """bf16 autocast as the train step runs it (its MoE rules registered), or nothing."""
+    import contextlib
+
+    if not autocast:
+        return contextlib.nullcontext()
+    from moecompile.train_step import _register_moe_autocast
+
+    _register_moe_autocast("cpu")
+    return torch.autocast("cpu", dtype=torch.bfloat16)
+
+
+def reference(model, p: mc.Plan, xs, targets, setup=None, autocast: bool = False) -> tuple[list, list, dict]:
     """ep = 1 over every rank's shard in this process: per-shard outputs and losses, mean-loss grads."""
     import dataclasses
 
     single = p.replace(parallel=dataclasses.replace(p.parallel, ep=1, dispatcher="alltoall"))
-    key = (id(model), repr(single), setup)
+    key = (id(model), repr(single), setup, autocast)
     if key in _REFERENCES:
         return _REFERENCES[key]
     ref = mc.convert(model, single, (xs[0],))
@@ -126,8 +138,9 @@ def reference(model, p: mc.Plan, xs, targets, setup=None) -> tuple[list, list, d
         setup(ref.module)
     outs, losses = [], []
     for x, t in zip(xs, targets):
-        y = ref.module(x)
-        losses.append(loss_of(ref, y, t))
+        with precision(autocast):
+            y = ref.module(x)
+            losses.append(loss_of(ref, y, t))
         outs.append(y.detach())
     (sum(losses) / len(losses)).backward()
     grads = {n: q.grad.clone() for n, q in ref.module.named_parameters() if q.grad is not None}
@@ -153,17 +166,19 @@ def gathered_grads(gm: nn.Module, world) -> dict:
     return out
 
 
-def ep_errors(rank, model, p: mc.Plan, xs, targets, setup=None, compile: bool = False) -> dict:
+def ep_errors(rank, model, p: mc.Plan, xs, targets, setup=None, compile: bool = False, autocast: bool = False) -> dict:
     """Run ``p`` on this rank's shard and return the relative errors against the ep=1 reference
-    (``compile``: the converted module's forward under ``torch.compile``, the reference eager)."""
-    ref_out, ref_loss, ref_grads = reference(model, p, xs, targets, setup)
+    (``compile``: the converted module's forward under ``torch.compile``, the reference eager;
+    ``autocast``: both under bf16 autocast)."""
+    ref_out, ref_loss, ref_grads = reference(model, p, xs, targets, setup, autocast)
     result = mc.convert(model, p, (xs[rank],))
     world = result.context.world
     perturb(result.module)
     if setup:
         setup(result.module)
-    y = (torch.compile(result.module) if compile else result.module)(xs[rank])
-    loss = loss_of(result, y, targets[rank])
+    with precision(autocast):
+        y = (torch.compile(result.module) if compile else result.module)(xs[rank])
+        loss = loss_of(result, y, targets[rank])
     loss.backward()
     mc.distributed.reduce_gradients(result.module, world)
     grads = gathered_grads(result.module, world)
@@ -268,6 +283,13 @@ def scenario_two_ranks(rank: int, world_size: int) -> dict:
     errs = ep_errors(rank, model, p, xs, targets)
     assert_close(errs, "fp8 blockwise")
     report["fp8/blockwise"] = {k: errs[k] for k in ("out", "loss", "grad")}
+    # bf16 autocast: the tokens are cast before the permute, so the packed exchange carries bf16 rows with fp32
+    # routing weights (widened, never rounded). Rows move unchanged, so outputs match ep = 1 to fp32 round-off;
+    # the bf16 weight gradients sum rows in another order, so they match to bf16's
+    errs = ep_errors(rank, model, plan(2), xs, targets, autocast=True)
+    packs = [n for n in errs["result"].module.graph.nodes if n.target is torch.ops.moecompile.pack_row_weights.default]
+    assert packs and errs["out"] <= TOL and errs["loss"] <= TOL and errs["grad"] <= 2**-7, errs
+    report["autocast"] = {k: errs[k] for k in ("out", "loss", "grad")}
 
     # torch.compile over the dropless graph: it breaks at each host read of the splits and runs the MoE ops
     # between breaks eagerly (their kernels are dynamo-disabled, as custom_op's are); static: no break at all
@@ -407,6 +429,7 @@ def test_two_ranks_match_single_process_for_both_dispatchers_and_modes(two_ranks
 def test_fp8_and_torch_compile_at_ep2_match_single_process(two_ranks):
     for report in two_ranks:  # asserted <= TOL inside each rank
         assert max(report["fp8/blockwise"].values()) <= TOL, report["fp8/blockwise"]
+        assert report["autocast"]["out"] <= TOL and report["autocast"]["grad"] <= 2**-7, report["autocast"]
         assert max(v for k, v in report["compiled/dropless"].items() if k != "graph_breaks") <= TOL
         assert report["compiled/dropless"]["graph_breaks"] > 0  # the splits are read on the host
         assert report["compiled/static"]["graph_breaks"] == 0, report["compiled/static"]
@@ -631,8 +654,19 @@ def test_pack_row_weights_round_trips_and_its_gradient_returns_in_the_same_colum
             assert torch.autograd.gradcheck(lambda a: unpack(a)[i], (packed.detach().requires_grad_(),))
 
 
-def test_pack_row_weights_refuses_to_round_the_weights():
-    with pytest.raises(ValueError, match="would round them"):
-        torch.ops.moecompile.pack_row_weights(torch.randn(3, 2, dtype=torch.bfloat16), torch.rand(3))
+def test_pack_row_weights_never_rounds_the_weights():
+    """bf16 rows (autocast casts the tokens before the permute) with fp32 weights travel in fp32, exactly."""
+    pack, unpack = torch.ops.moecompile.pack_row_weights, torch.ops.moecompile.unpack_row_weights
+    x = torch.randn(3, 2, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.rand(3) + 1e-3).requires_grad_()
+    packed = pack(x, w)
+    assert packed.dtype == torch.float32 and torch.equal(packed[:, -1], w) and torch.equal(packed[:, :-1], x.float())
+    torch.library.opcheck(pack.default, (x, w))
+    x2, w2 = unpack(packed)
+    (x2.sum() * 2 + (w2 * 3).sum()).backward()
+    assert x.grad.dtype == torch.bfloat16 and torch.equal(x.grad, torch.full_like(x, 2.0))
+    assert torch.equal(w.grad, torch.full_like(w, 3.0))
+    with pytest.raises(ValueError, match="floating point"):
+        pack(torch.randn(3, 2), torch.ones(3, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"x_NH \[N, H\] and w_N \[N\]"):
         torch.ops.moecompile.pack_row_weights(torch.randn(3, 2), torch.rand(4))

@@ -127,6 +127,28 @@ def test_bf16_autocast_runs_models_that_upcast_inside(name, data):
         assert abs(m32.loss - m16.loss) < 0.05, (m32.loss, m16.loss)
 
 
+def test_bf16_autocast_casts_the_tokens_before_the_permute(data):
+    """The permute copies each token k times and the dispatch sends the copies: under autocast they are bf16, as
+    the expert GEMM would cast them anyway (before, fp32 rows were gathered, sent, then cast)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Dtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "moecompile":
+                self.seen.setdefault(func.__name__.split(".")[0], args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    _, result = convert({})
+    step = mc.build_train_step(result, optimizer=adamw, precision="bf16")
+    with step._autocast(), Dtypes() as mode:
+        result.module(data[0][0])
+    assert mode.seen["permute"] == torch.bfloat16 and mode.seen["grouped_mm"] == torch.bfloat16, mode.seen
+
+
 def test_bf16_model_trains_through_fp32_masters(data):
     _, result = convert({}, dtype="bfloat16")
     step = mc.build_train_step(result, optimizer=adamw, precision="bf16")

@@ -54,7 +54,7 @@ class ParallelConfig(Section):
         "true sends each row's weight as one more column of the rows' own all-to-all (2 fewer collectives a "
         "layer: the weights' and their gradient's; 3 more copies of the rows); false sends them on their own; "
         "null packs where a rank sends at most 2 MiB of rows on CPU (gloo collectives cost ~0.5 ms) or 16 MiB "
-        "on CUDA. Rows and weights of different dtypes never pack (the weight would round).",
+        "on CUDA. Rows and weights of different dtypes never pack (it would widen the rows).",
     )
     overlap_grad_reduce: Union[bool, None] = doc_field(
         None,
