@@ -475,7 +475,7 @@ def _register_tokens_autocast(qualname: str, device_type: str, dtype: torch.dtyp
     """Autocast for an op whose first argument is the tokens: only they are cast (``register_autocast`` would
     cast every float argument, here the routing probabilities that order a capacity's drops). Under autocast the
     residual stream stays fp32 and the experts' GEMMs cast their input to bf16 anyway, so the values the GEMMs
-    see are the same; the permute's gather, the dispatch all-to-all and the rows kept for backward halve."""
+    see are the same; the bytes of the permute's gather and of the dispatch all-to-all halve."""
     namespace, name = qualname.split("::")
     op = getattr(getattr(torch.ops, namespace), name).default
     key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
