@@ -145,7 +145,8 @@ def _rewrite(gm: fx.GraphModule, node: fx.Node, cfg) -> None:
         hist = None
         if cfg.recipe == "delayed":
             name = f"{_weight_name(weight) or node.name}_fp8_amax_history"
-            add_parameter(gm, name, torch.zeros(3, cfg.amax_history_len), requires_grad=False)
+            device = x.meta["val"].device  # a model converted on a GPU keeps its history there
+            add_parameter(gm, name, torch.zeros(3, cfg.amax_history_len, device=device), requires_grad=False)
             hist = g.get_attr(name)
         block = cfg.block_size
         if node.target is mc.grouped_mm.default:

@@ -80,12 +80,16 @@ def choose(costs: LayerCosts, max_n: int) -> tuple[int, str]:
     return n, why
 
 
-def _best_time(fn: Any, reps: int = 3) -> float:
+def _best_time(fn: Any, device: torch.device, reps: int = 3) -> float:
+    """Best of ``reps`` timed calls after one warm-up; on a GPU each ends when its kernels have (they are async)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
+    sync()
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -101,30 +105,30 @@ def _time_experts(gm: fx.GraphModule, layer: MoELayer, rows: int, local_experts:
     x_in, sizes_in = section[0].args[0], section[0].args[2]
     H = int(section[0].args[1].meta["val"].shape[-1])  # type: ignore[union-attr]
     weights = {m: get_attr_value(gm, m.target) for s in section for m in s.all_input_nodes if m.op == "get_attr"}
-    dtype = next(iter(weights.values())).dtype
-    x = torch.randn(rows, H, dtype=dtype)
+    dtype, device = next(iter(weights.values())).dtype, next(iter(weights.values())).device
+    x = torch.randn(rows, H, dtype=dtype, device=device)
     per, extra = divmod(rows, local_experts)
-    sizes = torch.tensor([per + (i < extra) for i in range(local_experts)], dtype=torch.int64)
+    sizes = torch.tensor([per + (i < extra) for i in range(local_experts)], dtype=torch.int64, device=device)
 
     env0: dict[fx.Node, Any] = {x_in: x, sizes_in: sizes, **weights}  # type: ignore[dict-item]
     row_weights = row_weights_of(section)
     if row_weights is not None:  # the glu applies the routing weights: any row weights time the same
-        env0[row_weights] = torch.rand(rows, dtype=row_weights.meta["val"].dtype)
+        env0[row_weights] = torch.rand(rows, dtype=row_weights.meta["val"].dtype, device=device)
 
     def run() -> None:
         env = dict(env0)
         for m in section:
             env[m] = m.target(*fx.node.map_arg(m.args, env.__getitem__), **fx.node.map_arg(m.kwargs, env.__getitem__))
 
-    return _best_time(run)
+    return _best_time(run, device)
 
 
-def _time_exchange(world: World, nbytes: int) -> float:
+def _time_exchange(world: World, nbytes: int, device: torch.device) -> float:
     P = world.ep
     per = max(nbytes // 4 // P, 1)
-    x = torch.randn(per * P)
+    x = torch.randn(per * P, device=device)
     out = torch.empty_like(x)
-    return _best_time(lambda: dist.all_to_all_single(out, x, group=world.ep_group))
+    return _best_time(lambda: dist.all_to_all_single(out, x, group=world.ep_group), device)
 
 
 def measure(gm: fx.GraphModule, layer: MoELayer, world: World, dispatcher: str, dropless: bool) -> LayerCosts:
@@ -141,8 +145,10 @@ def measure(gm: fx.GraphModule, layer: MoELayer, world: World, dispatcher: str, 
     L = max(layer.info["num_experts"] // world.ep, 1)
     small = max(rows // 4, 1)
     x0, x1 = _fit(small, _time_experts(gm, layer, small, L), rows, _time_experts(gm, layer, rows, L))
-    a, per_byte = _fit(payload // 4, _time_exchange(world, payload // 4), payload, _time_exchange(world, payload))
-    agreed = torch.tensor([x0, x1, a, per_byte], dtype=torch.float64)
+    device = layer.x_TH.meta["val"].device  # NCCL exchanges GPU tensors only
+    a, per_byte = _fit(payload // 4, _time_exchange(world, payload // 4, device), payload,
+                       _time_exchange(world, payload, device))
+    agreed = torch.tensor([x0, x1, a, per_byte], dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=world.ep_group)
     x0, x1, a, per_byte = agreed.tolist()
     exchanges = 3 if dispatcher == "allgather" else (2 if dropless else 1)

@@ -289,3 +289,17 @@ def test_fp8_training_tracks_fp32_loss():
 @pytest.mark.slow
 def test_fp8_training_tracks_fp32_loss_200_steps():
     _check_tracks(200)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_conversion_keeps_every_tensor_on_the_models_device(recipe):
+    """A model converted on a GPU must stay there: the delayed recipe's amax histories were made on the CPU. The
+    meta device stands in for the GPU this machine lacks (convert runs on it: shapes only)."""
+    from moecompile.models import build_model
+
+    model, (ids,) = build_model("tiny-llama", seq_len=16)
+    plan = {"experts": {"num_experts": 4, "top_k": 2, "granularity": 2, "shared_experts": 1}, "fp8": {"recipe": recipe}}
+    result = mc.convert(model.to("meta"), plan, (ids.to("meta"),))
+    tensors = [*result.module.named_parameters(), *result.module.named_buffers()]
+    assert any(name.endswith("_fp8_amax_history") for name, _ in tensors) == (recipe == "delayed")
+    assert [name for name, t in tensors if t.device.type != "meta"] == []

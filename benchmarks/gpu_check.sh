@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, in one run of at most 9.5 minutes on one H100/H200 (issue #4's open part):
+# fits one device `run` (600 s a command) with its limits below.
+#
+#     bash benchmarks/gpu_check.sh            # writes logs and JSON to $OUT, else out/gpu_check
+#
+# Each step has its own time limit and the script goes on past a failure; the last lines say which
+# steps passed. The lent machines' image has its own torch (2.11 when last read) and Triton, outside
+# pyproject's torch range and with nothing to fetch: the package is installed without dependencies
+# or build isolation, over what is there.
+set -u
+out="${OUT:-out/gpu_check}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+declare -A status
+
+step() {  # step NAME SECONDS COMMAND...: run it with a limit, keep its log, record pass/fail
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit} s): $*"
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$out/$name.log"
+    status[$name]="rc=$rc in $((SECONDS - start)) s"
+}
+
+nvidia-smi -L
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/install.log" 2>&1 || tail -n 20 "$out/install.log"
+
+# the CUDA-graph runners (partial and full capture) and the offloaded optimizer on CUDA, against eager
+step pytest_gpu 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graphs.py tests/test_optimizer_offload.py
+# each Triton kernel against its torch reference and the copy / cuBLAS limits (also checks their results)
+step kernels 120 python3 benchmarks/kernels_gpu.py --shapes qwen3-30b --json "$out/kernels.json"
+# the main job on the GPU: bf16 autocast, Triton kernels, the optimizer step; loss must fall
+step train 120 python3 -m moecompile train --device cuda --nproc 1 --steps 40 --log-every 10 --out "$out/train"
+# moecompile against Hugging Face's own Mixtral on the same weights, eager and under torch.compile
+step bench 170 python3 -m moecompile bench --device cuda --model small-llama --steps 5 --warmup 2 \
+    --variants moecompile,moecompile_compiled,hf_grouped_mm --json "$out/bench.json"
+
+echo "=== summary"
+for name in pytest_gpu kernels train bench; do
+    echo "$name: ${status[$name]:-not run}"
+done
