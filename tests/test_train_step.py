@@ -149,6 +149,21 @@ def test_bf16_autocast_casts_the_tokens_before_the_permute(data):
     assert mode.seen["permute"] == torch.bfloat16 and mode.seen["grouped_mm"] == torch.bfloat16, mode.seen
 
 
+def test_the_steps_tensor_work_stays_on_the_models_device():
+    """A step on a GPU model must create nothing on the CPU (a stray CPU tensor fails there, or syncs). The meta
+    device stands in for the GPU: the step's tensor work (``compute``, what a CUDA graph captures) runs on it."""
+    model, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=BATCH, seq_len=SEQ)
+    plan = {"experts": {"num_experts": 4, "top_k": 2, "expert_bias": True, "aux_loss": "aux"},
+            "fp8": {"recipe": "delayed"}}
+    result = mc.convert(model.to("meta"), plan, (ids.to("meta"),))
+    step = mc.build_train_step(result, optimizer=lambda ps: mc.AdamW(ps), clip_grad_norm=1.0, keep_host_memory=False)
+    out = step.compute(ids.to("meta"), ids.to("meta"))
+    state = [t for s in step.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    grads = [p.grad for p in result.module.parameters() if p.grad is not None]
+    assert state and grads and out["grad_norm"] is not None
+    assert {t.device.type for t in [out["stats"], out["grad_norm"], *state, *grads, *step.biases.values()]} == {"meta"}
+
+
 def test_bf16_model_trains_through_fp32_masters(data):
     _, result = convert({}, dtype="bfloat16")
     step = mc.build_train_step(result, optimizer=adamw, precision="bf16")
