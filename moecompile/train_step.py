@@ -253,6 +253,20 @@ class TrainStep:
         self._update_biases(reduced)
         return {"stats": reduced, "grad_norm": norm}
 
+    @torch.no_grad()
+    def evaluate(self, inputs: Any, targets: Any = None) -> float:
+        """``loss_fn`` on a batch without training on it (held-out loss): no gradients, the step's precision and
+        micro-batches (the mean of their losses), on its device. Router losses are not added, and nothing is
+        reduced over ranks; with ep > 1 the forward exchanges tokens, so every rank of the ep group calls it."""
+        if targets is None:
+            inputs, targets = inputs
+        parts = self.micro_batches(*to_device((inputs, targets), self.device))
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for x, y in parts:
+            with self._autocast():
+                total += self.loss_fn(_apply(self.module, x), y).double()
+        return float(total) / len(parts)
+
     def write_back(self) -> None:
         """The optimizer's new values into every rank's parameters: masters copied, shards all-gathered."""
         for u in self.updates:
@@ -262,11 +276,7 @@ class TrainStep:
     def _forward(self, inputs: Any) -> Any:
         shards = self.buckets.param_shards
         with shards.saving() if shards is not None else contextlib.nullcontext(), self.tracing():
-            if isinstance(inputs, dict):
-                return self.forward_module(**inputs)
-            if isinstance(inputs, (tuple, list)):
-                return self.forward_module(*inputs)
-            return self.forward_module(inputs)
+            return _apply(self.forward_module, inputs)
 
     def gathered(self) -> contextlib.AbstractContextManager:
         """The parameters whole in the module, for reads outside a step (export, evaluation); every rank enters
@@ -443,6 +453,15 @@ def _numel(t: Any) -> int:
     if isinstance(t, dict) and "labels" in t:
         return t["labels"].numel()
     raise MoecompileError("targets must be a tensor (the next-token ids, one per input position)")
+
+
+def _apply(module: Any, inputs: Any) -> Any:
+    """``module`` called on a batch given as a tensor, a tuple of positional inputs or a dict of named ones."""
+    if isinstance(inputs, dict):
+        return module(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return module(*inputs)
+    return module(inputs)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -149,6 +149,21 @@ def test_bf16_autocast_casts_the_tokens_before_the_permute(data):
     assert mode.seen["permute"] == torch.bfloat16 and mode.seen["grouped_mm"] == torch.bfloat16, mode.seen
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_evaluate_is_the_steps_loss_without_the_update(data, precision):
+    """A held-out loss at the step's precision and micro-batches: the lm loss the step reports for that batch,
+    measured before its update, exactly; the parameters untouched."""
+    _, result = convert({})
+    step = mc.build_train_step(result, optimizer=adamw, precision=precision)
+    x, y = data[0]
+    double = (torch.cat([x, x]), torch.cat([y, y]))  # two micro-batches of the traced batch
+    before = {n: p.clone() for n, p in result.module.named_parameters()}
+    loss, loss_micro = step.evaluate(x, y), step.evaluate(double)
+    assert all(torch.equal(p, before[n]) for n, p in result.module.named_parameters())
+    assert loss_micro == pytest.approx(loss, rel=1e-12)
+    assert step(x, y).lm_loss == loss
+
+
 def test_the_steps_tensor_work_stays_on_the_models_device():
     """A step on a GPU model must create nothing on the CPU (a stray CPU tensor fails there, or syncs). The meta
     device stands in for the GPU: the step's tensor work (``compute``, what a CUDA graph captures) runs on it."""

@@ -353,18 +353,12 @@ def _layer_index(layer: str) -> str:
 
 
 def _held_out_loss(s: _Setup, data: Any, rank: int, world_size: int, batches: int = 4) -> float:
-    """Mean next-byte loss on text the run never trained on (the last 5% of the corpus)."""
+    """Mean next-byte loss on text the run never trained on (the last 5% of the corpus), at the step's precision."""
     import torch
     import torch.distributed as dist
 
-    from ..train_step import causal_lm_loss, to_device
-
-    total = torch.zeros(1, dtype=torch.float64, device=s.step.device)
-    with torch.no_grad():
-        for i in range(batches):
-            parts = s.step.micro_batches(*to_device(data.shard(i, rank, world_size), s.step.device))
-            for x, y in parts:
-                total += causal_lm_loss(s.result.module(x), y).double() / len(parts)
+    local = sum(s.step.evaluate(data.shard(i, rank, world_size)) for i in range(batches))
+    total = torch.tensor([local], dtype=torch.float64, device=s.step.device)
     if s.world is not None:
         dist.all_reduce(total, group=s.world.dp_group)
     return float(total) / (batches * world_size)
