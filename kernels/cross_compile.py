@@ -126,8 +126,8 @@ def cross_compiling(arch: int = 90) -> Iterator[list[CompiledKernel]]:
         finally:
             in_autotune[0] = False
 
-    saved_driver = driver._active
-    driver.set_active(_TargetDriver(arch))
+    saved_driver, target = driver._active, _TargetDriver(arch)
+    driver.set_active(target)
     JITFunction.run, Autotuner.run = compile_only, every_config
     backend._CROSS.append(arch)
     try:
@@ -137,7 +137,7 @@ def cross_compiling(arch: int = 90) -> Iterator[list[CompiledKernel]]:
         JITFunction.run, Autotuner.run = jit_run, autotune_run
         driver._active = saved_driver
         for fn in touched:  # drop the binders built for the target, keyed by its sentinel device
-            fn.device_caches.pop(_TargetDriver(arch).device, None)
+            fn.device_caches.pop(target.device, None)
 
 
 def _record(fn: Any, kernel: Any, arch: int, autotune_config: bool) -> CompiledKernel:

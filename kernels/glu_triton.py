@@ -108,8 +108,8 @@ def _glu_bwd_kernel(
 
 def _config(F: int, backward: bool = False) -> dict:
     """Tile sizes: small under the interpreter (each program is a numpy call), ~4K elements on a GPU. The
-    backward keeps five tiles live: with 4 warps ptxas gives it 241-255 registers a thread for sm_90 (the
-    limit), with 8 warps 122-128, twice the warps an SM can hold (`moecompile inspect --kernels 90`)."""
+    backward keeps five tiles live: in fp32 on 4 warps ptxas gave it 241-255 registers a thread for sm_90 (the
+    limit), on 8 warps 122-128, so twice the warps fit an SM (kernels/cross_compile.py, ad hoc sweep)."""
     if INTERPRET:
         return dict(BLOCK_M=32, BLOCK_F=min(64, triton.next_power_of_2(F)), num_warps=1)
     block_f = min(256, triton.next_power_of_2(F))

@@ -135,13 +135,11 @@ def _measure(rank: int, world: int, variants: tuple[str, ...], spec: BenchSpec) 
     RSS growth (peak over the loop minus peak before it) is only a variant's own when it runs alone; on a
     GPU the growth of the peak allocated device memory stands in for it.
     """
-    from .devices import resolve_device
-
     if spec.keep_host_memory:  # before any variant allocates, so all of them run on the same malloc
         from .host_memory import keep_freed_memory
 
         keep_freed_memory()
-    device = resolve_device(spec.device, rank, world)
+    device = torch.device("cuda", rank) if spec.device == "cuda" else torch.device("cpu")  # bench() resolved it
     torch.manual_seed(spec.seed)
     x, y = (t.to(device) for t in _tokens(spec, rank, world))
     steps = {v: _build(v, spec, world, x) for v in variants}

@@ -504,8 +504,9 @@ def _register_tokens_autocast(qualname: str, device_type: str, dtype: torch.dtyp
         with torch._C._ExcludeDispatchKeyGuard(excluded):
             return op(x.to(dtype) if x.is_floating_point() else x, *args)
 
-    lib = _AUTOCAST_LIBS.setdefault(namespace, torch.library.Library(namespace, "FRAGMENT"))
-    lib.impl(name, kernel, key, with_keyset=True)
+    if namespace not in _AUTOCAST_LIBS:
+        _AUTOCAST_LIBS[namespace] = torch.library.Library(namespace, "FRAGMENT")
+    _AUTOCAST_LIBS[namespace].impl(name, kernel, key, with_keyset=True)
 
 
 _AUTOCAST_LIBS: dict[str, torch.library.Library] = {}  # kept alive: dropping a Library unregisters its kernels

@@ -29,6 +29,7 @@ HELP = "Time the training step of a model under a plan: moecompile vs the dense 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..bench import EXTRA_VARIANTS, VARIANTS, BenchSpec
+    from ..devices import CHOICES as DEVICES
 
     d = BenchSpec()
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -53,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads in all (default: every core); "
                    "moecompile_epN gives each rank threads / N")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default=d.device,
+    p.add_argument("--device", choices=DEVICES, default=d.device,
                    help="cuda: every variant on GPUs (rank r of an ep variant on GPU r, NCCL); cpu: gloo; auto: cuda "
                         "when each rank of the widest variant has a GPU (default auto)")
 

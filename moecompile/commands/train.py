@@ -25,7 +25,6 @@ from typing import Any
 
 HELP = "Upcycle a dense model into an MoE and train it (ep over local ranks or torchrun, CPU or GPU) on byte-level text."
 
-DEVICES = ("auto", "cpu", "cuda")  # moecompile.devices.CHOICES, without importing torch for --help
 DEFAULT_MODEL = "tiny-llama"
 DEFAULT_MODEL_CONFIG = {"hidden_size": 128, "intermediate_size": 256}  # only when --model is not given
 DEFAULT_PLAN = {"experts": {"num_experts": 8, "top_k": 2, "aux_loss": "global_aux", "aux_loss_coeff": 1e-2,
@@ -74,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, metavar="DIR", help="directory of *.py text (default: the Python stdlib)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)")
+    from ..devices import CHOICES as DEVICES
+
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where each rank trains: cuda (GPU <local rank>, NCCL) or cpu (gloo); auto: cuda when every "
                         "rank on this machine has a GPU of its own, else cpu (default auto)")
