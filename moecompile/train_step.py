@@ -194,10 +194,10 @@ class TrainStep:
             raise MoecompileError(
                 f"compile and cuda_graph.mode={mode!r} both take over the forward: choose one (on CUDA, "
                 "compile={'mode': 'reduce-overhead'} captures CUDA graphs of the compiled regions itself)")
-        import torch._dynamo
+        import torch._dynamo as dynamo
 
         self.forward_module = torch.compile(self.module, **options)
-        self.tracing = functools.partial(torch._dynamo.config.patch, capture_scalar_outputs=True)
+        self.tracing = functools.partial(dynamo.config.patch, capture_scalar_outputs=True)
 
     def _overlap_grad_reduce(self) -> bool:
         """The plan's ``parallel.overlap_grad_reduce``; null: on unless the data-parallel group is gloo's."""

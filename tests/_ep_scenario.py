@@ -84,7 +84,10 @@ def ep2_worker(rank: int, world_size: int, out: str) -> dict:
                                     compile=True)
     compiled_metrics = [_metrics(compiled_step(stream.shard(i, rank, world_size))) for i in range(STEPS)]
     compiled_breaks = sum(dynamo.utils.counters["graph_break"].values())
-    return {"compiled_metrics": compiled_metrics, "compiled_breaks": compiled_breaks,"micro_metrics": micro_metrics, "micro_parts": len(micro_step.micro_batches(*stream.shard(0, rank, world_size))),"aux": aux_runs(rank, world_size, ep=2), "aux_dp": aux_runs(rank, world_size, ep=1),
+    return {
+        "compiled_metrics": compiled_metrics, "compiled_breaks": compiled_breaks, "micro_metrics": micro_metrics,
+        "micro_parts": len(micro_step.micro_batches(*stream.shard(0, rank, world_size))),
+        "aux": aux_runs(rank, world_size, ep=2), "aux_dp": aux_runs(rank, world_size, ep=1),
         "metrics": metrics, "after": after, "collectives": step.buckets.collectives_per_step(),
         "expert_shapes": {n: tuple(p.shape) for n, p in result.module.named_parameters() if ".experts." in n},
         "dropless_full": (full.safe, str(full)), "dropless_static_region": (static_region.safe, str(static_region)),
