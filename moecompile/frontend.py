@@ -95,7 +95,44 @@ def trace(
         model.train(was_training)
     # The graph is fixed to the mode it was traced in (dropout is baked in as an op), and
     # ExportedProgram.module() refuses .train()/.eval(): trace in the mode you will run.
-    return drop_dtype_asserts(exported.module())
+    return drop_dtype_asserts(inline_grad_regions(exported.module()))
+
+
+def inline_grad_regions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Inline the submodules torch < 2.13's export makes of a model's ``no_grad`` blocks (a rotary embedding's).
+
+    Export there keeps each block as ``wrap_with_set_grad_enabled(False, submod, *args)``; torch 2.13 traces
+    the same model flat. Passes read one flat graph, so the block's nodes are copied in place of the call, and
+    a block that disabled gradients has its outputs detached: no gradient reaches its inputs, as before.
+    """
+    wrap = torch.ops.higher_order.wrap_with_set_grad_enabled
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is wrap]
+    for call in calls:
+        enabled, body_node, *args = call.args
+        body = gm.get_submodule(body_node.target)
+        inline_grad_regions(body)
+        placeholders = [n for n in body.graph.nodes if n.op == "placeholder"]
+        with gm.graph.inserting_before(call):
+            outputs = gm.graph.graph_copy(body.graph, dict(zip(placeholders, args)))
+            outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+            if not enabled:
+                outputs = [_detached(gm.graph, out) for out in outputs]
+        for user in list(call.users):  # the call returns a tuple, read by getitem
+            user.replace_all_uses_with(outputs[user.args[1]])
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(call)
+        if not body_node.users:
+            gm.graph.erase_node(body_node)
+            gm.delete_submodule(body_node.target)
+    if calls:
+        gm.recompile()
+    return gm
+
+
+def _detached(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    detached = graph.call_function(torch.ops.aten.detach.default, (node,))
+    detached.meta = dict(node.meta)
+    return detached
 
 
 def drop_dtype_asserts(gm: fx.GraphModule) -> fx.GraphModule:

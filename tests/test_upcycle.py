@@ -1,11 +1,15 @@
 """Function preservation at init: the upcycled model reproduces the dense one."""
 
+import operator
+
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn as nn
 
 import moecompile as mc
 from moecompile import Role
+from moecompile.frontend import inline_grad_regions
 from moecompile.meta import nodes_with_role
 
 from conftest import tiny_hf
@@ -226,6 +230,38 @@ def test_untraceable_model_is_a_trace_error():
     assert "Hint" in str(err.value)
     with pytest.raises(mc.TraceError, match="expected an nn.Module"):
         mc.trace(lambda x: x, (torch.randn(2),))
+
+
+def _graph_with_a_no_grad_block() -> fx.GraphModule:
+    """What torch 2.11's export makes of ``y = 2 x; with no_grad: b = 3 sin(y); return b + y``."""
+    body = fx.Graph()
+    y_in = body.placeholder("y")
+    sin = body.call_function(torch.ops.aten.sin.default, (y_in,))
+    body.output((body.call_function(torch.ops.aten.mul.Tensor, (sin, 3.0)),))
+    root = nn.Module()
+    root.submod_1 = fx.GraphModule(nn.Module(), body)
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    block = graph.call_function(torch.ops.higher_order.wrap_with_set_grad_enabled,
+                                (False, graph.get_attr("submod_1"), y))
+    b = graph.call_function(operator.getitem, (block, 0))
+    graph.output(graph.call_function(torch.ops.aten.add.Tensor, (b, y)))
+    return fx.GraphModule(root, graph)
+
+
+def test_a_no_grad_block_export_kept_as_a_submodule_is_inlined_and_passes_no_gradient():
+    gm = _graph_with_a_no_grad_block()
+    x = torch.randn(5, requires_grad=True)
+    want = gm(x)
+    want_grad, = torch.autograd.grad(want.sum(), x)  # 2: the block's branch carries none
+    inline_grad_regions(gm)
+    assert not [n for n in gm.graph.nodes if n.op == "get_attr" or "wrap" in str(n.target)]
+    assert not hasattr(gm, "submod_1")
+    got = gm(x)
+    got_grad, = torch.autograd.grad(got.sum(), x)
+    assert torch.equal(got, want) and torch.equal(got_grad, want_grad)
+    assert torch.equal(got_grad, torch.full_like(x, 2.0))
 
 
 def test_the_converted_model_takes_its_inputs_by_name_like_the_model(llama, ids):
