@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import torch_compat
 from .bucket_layout import backward_order, bucket_offsets, completion_order, cut_buckets
 from .distributed import wait_work
 
@@ -53,7 +54,7 @@ def start_all_gather(b: "Bucket", flat: torch.Tensor) -> list:
         return [dist.broadcast(flat[lo:hi], group=b.group, group_src=k, async_op=True)
                 for k in range(b.shards) for lo, hi in [b.range_of(k)]]
     lo, hi = b.own
-    return [dist.all_gather_single(flat, flat[lo:hi], group=b.group, async_op=True)]
+    return [torch_compat.all_gather_single(flat, flat[lo:hi], group=b.group, async_op=True)]
 
 
 def _group_size(group: Any) -> int:
@@ -298,7 +299,7 @@ class GradBuckets:
             if _is_gloo(b.group):
                 self.reduce_scatter_by_exchange(b, b.flat, out)
                 return None
-            return dist.reduce_scatter_single(out, b.flat, group=b.group, async_op=True)
+            return torch_compat.reduce_scatter_single(out, b.flat, group=b.group, async_op=True)
         if b.group is not None and _group_size(b.group) > 1:
             return dist.all_reduce(b.flat, group=b.group, async_op=True)
         return None

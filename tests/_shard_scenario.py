@@ -129,20 +129,19 @@ def _whole_params(step: Any, result: Any) -> dict[str, torch.Tensor]:
 
 
 def two_ranks_worker(rank: int, world_size: int, out: str) -> dict:
-    import torch.distributed as dist
-
     import moecompile.grad_sync as grad_sync
+    import moecompile.torch_compat as torch_compat
 
     calls = []
-    reduce_scatter = dist.reduce_scatter_single
-    dist.reduce_scatter_single = lambda *a, **k: calls.append(1) or reduce_scatter(*a, **k)
+    reduce_scatter = torch_compat.reduce_scatter_single
+    torch_compat.reduce_scatter_single = lambda *a, **k: calls.append(1) or reduce_scatter(*a, **k)
     res = {}
     for name, (ep, dtype, batch, extra) in SETTINGS.items():
         grad_sync._is_gloo = (lambda group: False) if name.startswith("nccl_forms") else _is_gloo
         calls.clear()
         res[name] = _compare(rank, world_size, ep, dtype, batch, extra)
         res[name]["reduce_scatters"] = len(calls)
-    grad_sync._is_gloo, dist.reduce_scatter_single = _is_gloo, reduce_scatter
+    grad_sync._is_gloo, torch_compat.reduce_scatter_single = _is_gloo, reduce_scatter
     _, step = make_step(world_size, 2, True)
     _train(step, rank, world_size, 0, STEPS)
     step.save(Path(out) / "ckpt")
