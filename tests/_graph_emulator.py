@@ -108,7 +108,8 @@ class EmulatedGraph:
 
 
 @contextlib.contextmanager
-def _graph(graph: EmulatedGraph, pool: Any = None, stream: Any = None, capture_error_mode: str = "global"):
+def _graph(graph: EmulatedGraph, pool: Any = None, stream: Any = None, capture_error_mode: str = "global",
+           **newer_options: Any):  # torch 2.14's make_graphed_callables passes enable_annotations
     recorder = _NoHostReads(graph.tape, "operation not permitted when stream is capturing")
     try:
         with recorder:
