@@ -35,10 +35,12 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/insta
     echo "not installed; importing moecompile from $PWD (passes/ and kernels/ linked into it)"
 fi
 
-# first, whether this torch imports and converts at all: a tiny model converted on the GPU, one forward
-step smoke 45 python3 -c "import moecompile as mc; from moecompile.models import build_model
+# first, whether this torch imports and converts at all: a tiny model converted on the GPU, one forward in
+# fp32 and one under bf16 autocast (the default on CUDA; torch 2.11's export broke it until stop 36)
+step smoke 45 python3 -c "import torch, moecompile as mc; from moecompile.models import build_model
 m, (ids,) = build_model('tiny-llama'); ids = ids.cuda()
-r = mc.convert(m.cuda(), {'experts': {'num_experts': 4, 'top_k': 2}}, (ids,)); print(r.module(ids).logits.shape)"
+r = mc.convert(m.cuda(), {'experts': {'num_experts': 4, 'top_k': 2}}, (ids,)); print(r.module(ids).logits.shape)
+with torch.autocast('cuda', torch.bfloat16): print(r.module(ids).logits.dtype)"
 # the CUDA-graph runners (partial and full capture) and the offloaded optimizer on CUDA, against eager
 step pytest_gpu 140 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graphs.py tests/test_optimizer_offload.py
 # each Triton kernel against its torch reference and the copy / cuBLAS limits (also checks their results)
