@@ -99,7 +99,7 @@ def trace(
 
 
 def inline_grad_regions(gm: fx.GraphModule) -> fx.GraphModule:
-    """Inline the submodules torch < 2.13's export makes of a model's ``no_grad`` blocks (a rotary embedding's).
+    """Inline the submodules torch 2.11's export makes of a model's ``no_grad`` blocks (a rotary embedding's).
 
     Export there keeps each block as ``wrap_with_set_grad_enabled(False, submod, *args)``; torch 2.13 traces
     the same model flat. Passes read one flat graph, so the block's nodes are copied in place of the call, and
