@@ -32,6 +32,8 @@ DEFAULT_PLAN = {"experts": {"num_experts": 8, "top_k": 2, "aux_loss": "global_au
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..devices import CHOICES as DEVICES
+
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = __doc__.split("\n\n", 1)[1]
     p.add_argument("--model", default=None, metavar="NAME|CONFIG",
@@ -73,8 +75,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", default=None, metavar="DIR", help="directory of *.py text (default: the Python stdlib)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the data order (default 0)")
     p.add_argument("--threads", type=int, default=0, help="torch threads per rank (default: cores / ranks)")
-    from ..devices import CHOICES as DEVICES
-
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where each rank trains: cuda (GPU <local rank>, NCCL) or cpu (gloo); auto: cuda when every "
                         "rank on this machine has a GPU of its own, else cpu (default auto)")
