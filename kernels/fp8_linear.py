@@ -20,8 +20,10 @@ float8 pads, casts and dequantizes, which Inductor's CPU backend fails to lower 
 or, with buffer reuse, lowered into wrong gradients (the grouped dequantize; torch 2.13).
 
 Dense GEMMs run `torch._scaled_mm` (CPU and CUDA): tensorwise directly;
-blockwise as one rowwise-scaled GEMM per K block summed in float32 (exactly
-the blockwise product; CPU `_scaled_mm` has no block scaling). M, K and N are
+blockwise as one unit-scaled GEMM per K block, its row and column scales
+applied and the blocks summed in float32 (exactly the blockwise product; CPU
+`_scaled_mm` has no block scaling, and rowwise scales with a float32 output
+only on sm_90). M, K and N are
 zero-padded to multiples of 16, the alignment FP8 GEMMs need. Expert GEMMs run
 `moecompile::grouped_mm_fp8` forward and dgrad; their wgrad runs
 `grouped_mm_wgrad` on the dequantized FP8 activations (no FP8 wgrad kernel yet).
@@ -38,7 +40,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from . import library
@@ -131,17 +132,21 @@ def fp8_mm(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, block: int, b_blo
     if a_s.dim() == 0:
         y = torch._scaled_mm(a_p, b_p.t(), scale_a=a_s, scale_b=b_s, out_dtype=torch.float32)
         return y[:M, :N].contiguous()
-    y = a_q.new_zeros((Mp, Np), dtype=torch.float32)
+    # Each K block's product unscaled (unit tensorwise scales), then its row and column scales in
+    # float32: what a rowwise-scaled GEMM computes, but a rowwise `_scaled_mm` with a float32 output
+    # exists only in cuBLAS on sm_90 (sm_89 and sm_100 take bf16 outputs only) and not on the CPU
+    # before torch 2.13; the unit-scaled one runs everywhere.
+    unit = a_q.new_ones((), dtype=torch.float32)
+    y = a_q.new_zeros((M, N), dtype=torch.float32)
     for kb in range(math.ceil(K / block)):
         lo, hi = kb * block, min(K, (kb + 1) * block)
         width = _up(hi - lo)
         a_blk = _pad2(a_p[:, lo:hi], Mp, width)
         b_blk = _pad2(b_p[:, lo:hi], Np, width)
-        sa = F.pad(a_s[:, kb], (0, Mp - M), value=1.0).reshape(Mp, 1).contiguous()
         sb = b_s[:, kb].repeat_interleave(block)[:N] if b_blocks else b_s[:, kb]
-        sb = F.pad(sb, (0, Np - N), value=1.0).reshape(1, Np).contiguous()
-        y += torch._scaled_mm(a_blk, b_blk.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
-    return y[:M, :N].contiguous()  # the padding must not show in the strides (fake impls: contiguous)
+        part = torch._scaled_mm(a_blk, b_blk.t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32)
+        y.addcmul_(part[:M, :N].mul_(sb), a_s[:, kb, None])
+    return y  # contiguous: the padding must not show in the strides (fake impls: contiguous)
 
 
 # ---------------------------------------------------------------- fp8_linear
