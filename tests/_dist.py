@@ -8,6 +8,9 @@ done. A rank that raises fails the test with its traceback; a rank that hangs pa
 killed and the test fails saying so, so CI never hangs. ``may_exit`` names ranks allowed to die
 without reporting (fault-injection tests).
 
+``fake_rank(rank, world_size)`` instead poses this one process as a rank of a larger world (torch's
+``fake`` process group: no live collectives) for what only needs the shapes a rank would hold.
+
 Ranks are forked from a forkserver that has imported torch, transformers' models and moecompile
 once for the whole session: a fresh interpreter per rank spent ~6 s importing them, for every
 scenario. The forkserver keeps the environment of the first spawn (its start).
@@ -15,13 +18,14 @@ scenario. The forkserver keeps the environment of the first spawn (its start).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.multiprocessing as mp
@@ -110,3 +114,32 @@ def _fail_if_died(procs: list, ranks: set[int], results: Any) -> None:
 
 def _tracebacks(errors: dict[int, str]) -> str:
     return "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+
+
+def _fake_all_to_all_writes(world_size: int) -> bool:
+    import torch.distributed as dist
+
+    probe = torch.full((world_size,), -1)
+    dist.all_to_all_single(probe, torch.arange(world_size))
+    return bool(probe.min() >= 0)
+
+
+@contextlib.contextmanager
+def fake_rank(rank: int, world_size: int, ep_step: bool = False) -> Iterator[None]:
+    """This process poses as ``rank`` of a ``world_size`` world: no live collectives.
+
+    An expert-parallel step (``ep_step``) needs its all-to-all of token counts to come back written:
+    torch 2.13's fake group copies the input through (as if every rank sent the same), torch 2.11's
+    leaves the output as allocated, so such a test is skipped there.
+    """
+    import pytest
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        if ep_step and not _fake_all_to_all_writes(world_size):
+            pytest.skip(f"torch {torch.__version__}'s fake process group leaves all-to-all outputs unwritten")
+        yield
+    finally:
+        dist.destroy_process_group()

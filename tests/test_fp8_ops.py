@@ -77,8 +77,20 @@ def test_all_zero_tile_quantizes_to_zero():
     assert float(q.float()[0, 20]) == 448.0
 
 
+def _cpu_scaled_mm_takes_row_scales() -> bool:
+    """torch < 2.13 on the CPU takes only tensorwise scales (an internal assert otherwise)."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_grouped_mm_fp8_matches_scaled_mm_per_group(recipe):
+    if recipe == "rowwise" and not _cpu_scaled_mm_takes_row_scales():
+        pytest.skip(f"the oracle, torch._scaled_mm with row scales, is not on the CPU in torch {torch.__version__}")
     sizes = torch.tensor([3, 0, 5, 2])
     x, w = torch.randn(10, 32), torch.randn(4, 24, 32)
     x_q, x_s = mk.quantize_fp8(x, recipe, "e4m3", 0)

@@ -8,6 +8,7 @@ import torch
 import moecompile as mc
 from moecompile.memory import CATEGORIES, measure_memory
 
+from _dist import fake_rank
 from conftest import tiny_hf
 
 EXPERTS = {"num_experts": 4, "top_k": 2, "shared_experts": 1}
@@ -131,16 +132,10 @@ def test_fp32_parameters_have_no_masters(model, batch):
     assert mc.estimate_memory(result, state_dtype=torch.bfloat16, by_pass=False).optimizer == est.grads
 
 
-def _fake_world(world_size: int):
-    """A one-process ``fake`` process group posing as rank 0 of ``world_size``: no live collectives."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
-    try:
+def _fake_world(world_size: int, ep_step: bool = False):
+    """This one process posing as rank 0 of ``world_size``: no live collectives."""
+    with fake_rank(0, world_size, ep_step):
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture()
@@ -210,6 +205,12 @@ def fake_world4():
     yield from _fake_world(4)
 
 
+@pytest.fixture()
+def fake_world4_step():
+    """``fake_world4`` for a test that runs the expert-parallel training step."""
+    yield from _fake_world(4, ep_step=True)
+
+
 def test_sharded_optimizer_splits_dense_over_dp_and_experts_over_edp(model, batch, fake_world4):
     result = mc.convert(model, {"experts": EXPERTS, "parallel": {"ep": 2, "shard_optimizer": True}}, (batch,))
     dense, expert = _counts(result)  # this rank's E/ep = 2 experts
@@ -225,7 +226,7 @@ def test_sharded_optimizer_splits_dense_over_dp_and_experts_over_edp(model, batc
         mc.estimate_memory(result, by_pass=False, dp=3)
 
 
-def test_sharded_estimate_matches_what_the_training_step_keeps(batch, fake_world4):
+def test_sharded_estimate_matches_what_the_training_step_keeps(batch, fake_world4_step):
     """build_train_step under the same 4-rank world: its optimizer states + fp32 masters, and the masters' grads."""
     model = tiny_hf("llama").to(torch.bfloat16)
     result = mc.convert(model, {"experts": EXPERTS, "parallel": {"ep": 2, "shard_optimizer": True}}, (batch,))
@@ -302,7 +303,7 @@ def test_sharded_gradients_are_this_ranks_range_of_a_single_process_graph(batch)
 
 
 @pytest.mark.parametrize("bucket_mb", [0.01, 25.0])
-def test_sharded_gradients_estimate_matches_what_the_training_step_keeps(batch, fake_world4, bucket_mb):
+def test_sharded_gradients_estimate_matches_what_the_training_step_keeps(batch, fake_world4_step, bucket_mb):
     """build_train_step under the 4-rank world (ep=2: dense grads / 4, expert grads / 2): GradBuckets.grad_bytes,
     and the most whole gradient buckets alive at once (GradientShards.peak_bytes), exactly."""
     model = tiny_hf("llama").to(torch.bfloat16)
@@ -332,7 +333,7 @@ def test_sharded_gradients_estimate_matches_what_the_training_step_keeps(batch, 
 # --- parallel.shard_parameters (ZeRO-3): a rank keeps its range of the parameters, + 2 whole buckets gathered --
 
 
-def test_sharded_parameters_are_this_ranks_range_plus_the_buckets_gathered(batch, fake_world4):
+def test_sharded_parameters_are_this_ranks_range_plus_the_buckets_gathered(batch, fake_world4_step):
     """4 ranks, ep=2 (dense / dp=4, experts / edp=2): bf16 params are the range + the buckets whole at once;
     grads, optimizer and masters are ZeRO-2's; without ZeRO-2 it is an error naming the fix."""
     import dataclasses
@@ -406,7 +407,7 @@ def _zero3_step(batch, bucket_mb: float):
 
 
 @pytest.mark.parametrize("bucket_mb", [0.01, 25.0])
-def test_sharded_parameters_estimate_matches_what_the_training_step_keeps(batch, fake_world4, bucket_mb):
+def test_sharded_parameters_estimate_matches_what_the_training_step_keeps(batch, fake_world4_step, bucket_mb):
     """The parameter ranges a rank keeps between steps, exactly (the same bucket layout), and the most whole
     buckets it held at once in forward and backward (ParameterShards.peak_bytes), against the simulation."""
     est, step = _zero3_step(batch, bucket_mb)
@@ -426,7 +427,7 @@ def test_sharded_parameters_estimate_matches_what_the_training_step_keeps(batch,
     assert flops[0] == flops[1] > 0
 
 
-def test_sharded_parameters_after_a_forward_only_the_buckets_held_stay_alive(batch, fake_world4):
+def test_sharded_parameters_after_a_forward_only_the_buckets_held_stay_alive(batch, fake_world4_step):
     """Saved tensors hold handles, so a released bucket's memory goes, views of it read late included."""
     import gc
 

@@ -7,17 +7,13 @@ rank r's estimate, made on rank r or named from rank 0, equals what rank r's run
 
 from __future__ import annotations
 
-import contextlib
-from typing import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import moecompile as mc
 from moecompile.optimizer_offload import HostUpdate
 
+from _dist import fake_rank
 from conftest import tiny_hf
 
 WORLD, BUCKET_MB = 4, 0.01
@@ -25,16 +21,6 @@ SETTINGS = {  # name: (ranks, model dtype, parallel section)
     "ep2_zero2_bf16": (4, torch.bfloat16, {"ep": 2, "shard_optimizer": True, "shard_gradients": True}),
     "dp2_zero3_fp32": (2, torch.float32, {"shard_optimizer": True, "shard_gradients": True, "shard_parameters": True}),
 }
-
-
-@contextlib.contextmanager
-def fake_rank(rank: int, world_size: int) -> Iterator[None]:
-    """This process poses as ``rank`` of a ``world_size`` world: no live collectives."""
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def convert(dtype: torch.dtype, parallel: dict, offload: float = 0.6) -> mc.ConversionResult:
@@ -64,7 +50,7 @@ def test_each_ranks_estimate_is_what_its_runtime_keeps(name):
     world, dtype, parallel = SETTINGS[name]
     runtime, own, named = {}, {}, {}
     for rank in range(world):
-        with fake_rank(rank, world):
+        with fake_rank(rank, world, ep_step=parallel.get("ep", 1) > 1):
             result = convert(dtype, parallel)
             own[rank] = estimated(mc.estimate_memory(result, by_pass=False, bucket_mb=BUCKET_MB))  # its own rank
             if rank == 0:  # rank 0 names every rank
