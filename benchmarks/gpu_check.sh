@@ -5,9 +5,9 @@
 #     bash benchmarks/gpu_check.sh            # writes logs and JSON to $OUT, else out/gpu_check
 #
 # Each step has its own time limit and the script goes on past a failure; the last lines say which
-# steps passed. The lent machines' image has its own torch (2.11 when last read) and Triton, outside
-# pyproject's torch range and with nothing to fetch: the package is installed without dependencies
-# or build isolation, over what is there, and imported from the working tree where that install fails.
+# steps passed. The lent machines' image has its own torch (2.11 when last read) and Triton, with
+# nothing to fetch: the package is installed without dependencies or build isolation, over what is
+# there, and imported from the working tree where that install fails.
 set -u
 out="${OUT:-out/gpu_check}"
 mkdir -p "$out"

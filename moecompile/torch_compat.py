@@ -1,4 +1,4 @@
-"""Names torch renamed between the releases moecompile runs on: 2.13-2.14 here, 2.11 on the lent GPUs.
+"""Names torch renamed between the releases moecompile runs on (2.11 to 2.14; 2.11 on the lent GPUs).
 
 torch 2.13 named the tensor-in, tensor-out collectives ``all_gather_single`` / ``reduce_scatter_single``
 and deprecated ``all_gather_into_tensor`` / ``reduce_scatter_tensor``; 2.11 has only the old names. Each
