@@ -37,21 +37,23 @@ fi
 
 # first, whether this torch imports and converts at all: a tiny model converted on the GPU, one forward in
 # fp32 and one under bf16 autocast (the default on CUDA; torch 2.11's export broke it until stop 36)
-step smoke 45 python3 -c "import torch, moecompile as mc; from moecompile.models import build_model
+step smoke 40 python3 -c "import torch, moecompile as mc; from moecompile.models import build_model
 m, (ids,) = build_model('tiny-llama'); ids = ids.cuda()
 r = mc.convert(m.cuda(), {'experts': {'num_experts': 4, 'top_k': 2}}, (ids,)); print(r.module(ids).logits.shape)
 with torch.autocast('cuda', torch.bfloat16): print(r.module(ids).logits.dtype)"
 # the CUDA-graph runners (partial and full capture) and the offloaded optimizer on CUDA, against eager
-step pytest_gpu 140 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graphs.py tests/test_optimizer_offload.py
+step pytest_gpu 130 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_graphs.py tests/test_optimizer_offload.py
+# FP8 GEMMs on CUDA (cuBLAS _scaled_mm for dense layers, the Triton FP8 kernel for experts) against the CPU's oracles
+step fp8 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fp8.py
 # each Triton kernel against its torch reference and the copy / cuBLAS limits (also checks their results)
-step kernels 110 python3 benchmarks/kernels_gpu.py --shapes qwen3-30b --json "$out/kernels.json"
+step kernels 100 python3 benchmarks/kernels_gpu.py --shapes qwen3-30b --json "$out/kernels.json"
 # the main job on the GPU: bf16 autocast, Triton kernels, the optimizer step; loss must fall
-step train 110 python3 -m moecompile train --device cuda --nproc 1 --steps 40 --log-every 10 --out "$out/train"
+step train 100 python3 -m moecompile train --device cuda --nproc 1 --steps 40 --log-every 10 --out "$out/train"
 # moecompile against Hugging Face's own Mixtral on the same weights, eager and under torch.compile
-step bench 150 python3 -m moecompile bench --device cuda --model small-llama --steps 5 --warmup 2 \
+step bench 130 python3 -m moecompile bench --device cuda --model small-llama --steps 5 --warmup 2 \
     --variants moecompile,moecompile_compiled,hf_grouped_mm --json "$out/bench.json"
 
 echo "=== summary"
-for name in smoke pytest_gpu kernels train bench; do
+for name in smoke pytest_gpu fp8 kernels train bench; do
     echo "$name: ${status[$name]:-not run}"
 done

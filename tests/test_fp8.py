@@ -22,6 +22,11 @@ RECIPES = ["tensorwise", "delayed", "blockwise"]
 MOE = {"num_experts": 4, "top_k": 2}
 
 
+# A CUDA run checks cuBLAS's `_scaled_mm` and the Triton FP8 kernels against the same oracles (gpu_check.sh).
+_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not _FP8_GPU, reason="needs an sm_89+ GPU")])]
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp(min=1e-12))
@@ -30,11 +35,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---------------------------------------------------------------- the FP8 GEMM
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("M,K,N", [(1, 16, 16), (5, 40, 24), (33, 64, 3), (16, 100, 48)])
 @pytest.mark.parametrize("mode", ["tensorwise", "tile x block", "tile x tile"])
-def test_fp8_mm_is_the_dequantized_product(M, K, N, mode):
+def test_fp8_mm_is_the_dequantized_product(M, K, N, mode, device):
     torch.manual_seed(0)
-    a, b = torch.randn(M, K) * 3, torch.randn(N, K)
+    a, b = (torch.randn(M, K) * 3).to(device), torch.randn(N, K).to(device)
     block = 16
     if mode == "tensorwise":
         (aq, sa), (bq, sb) = quantize_fp8(a, "tensorwise", "e4m3", block), quantize_fp8(b, "tensorwise", "e5m2", block)
@@ -44,8 +50,10 @@ def test_fp8_mm_is_the_dequantized_product(M, K, N, mode):
         (aq, sa), (bq, sb) = quantize_fp8(a, "tile", "e4m3", block), quantize_fp8(b, b_recipe, "e4m3", block)
         a_ref, b_ref = dequantize_fp8(aq, sa, "tile", block), dequantize_fp8(bq, sb, b_recipe, block)
     y = fp8_mm(aq, sa, bq, sb, block, b_blocks=mode == "tile x block")
-    assert y.shape == (M, N) and y.dtype == torch.float32
-    torch.testing.assert_close(y.double(), a_ref.double() @ b_ref.double().t(), rtol=1e-5, atol=1e-5)
+    assert y.shape == (M, N) and y.dtype == torch.float32 and y.device == a.device
+    # FP8 tensor cores add their products in fewer than float32's bits between promotions
+    tol = 1e-5 if device == "cpu" else 2e-3
+    torch.testing.assert_close(y.double(), a_ref.double() @ b_ref.double().t(), rtol=tol, atol=tol)
 
 
 # ---------------------------------------------------------------- fp8_linear / fp8_grouped_linear
@@ -54,12 +62,13 @@ def test_fp8_mm_is_the_dequantized_product(M, K, N, mode):
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
 @pytest.mark.parametrize("shape", [(2, 5, 40), (1, 16), (33, 64)])
-def test_fp8_linear_tracks_fp32_forward_and_backward(recipe, fmt, shape):
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_linear_tracks_fp32_forward_and_backward(recipe, fmt, shape, device):
     torch.manual_seed(0)
-    x = torch.randn(*shape, requires_grad=True)
-    w = torch.randn(24, shape[-1], requires_grad=True)
-    b = torch.randn(24, requires_grad=True)
-    hist = torch.zeros(3, 4) if recipe == "delayed" else None
+    x = torch.randn(*shape).to(device).requires_grad_()
+    w = torch.randn(24, shape[-1]).to(device).requires_grad_()
+    b = torch.randn(24).to(device).requires_grad_()
+    hist = torch.zeros(3, 4, device=device) if recipe == "delayed" else None
     y, x_q, x_s, amax = ops.fp8_linear(x, w, b, hist, recipe, fmt, 16)
     assert x_q.dtype == torch.float8_e4m3fn and x_q.shape == (x[..., 0].numel(), shape[-1])
     recipe_x = "tile" if recipe == "blockwise" else "tensorwise"
@@ -75,14 +84,15 @@ def test_fp8_linear_tracks_fp32_forward_and_backward(recipe, fmt, shape):
     torch.testing.assert_close(grads[2], ref_grads[2])  # the bias gradient is a plain sum
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_fp8_grouped_linear_tracks_grouped_mm(recipe):
+def test_fp8_grouped_linear_tracks_grouped_mm(recipe, device):
     torch.manual_seed(0)
-    x = torch.randn(20, 32, requires_grad=True)
-    w = torch.randn(4, 48, 32, requires_grad=True)
-    bias = torch.randn(4, 48, requires_grad=True)
-    sizes = torch.tensor([5, 0, 10, 5])  # an expert with no rows
-    hist = torch.zeros(3, 4) if recipe == "delayed" else None
+    x = torch.randn(20, 32).to(device).requires_grad_()
+    w = torch.randn(4, 48, 32).to(device).requires_grad_()
+    bias = torch.randn(4, 48).to(device).requires_grad_()
+    sizes = torch.tensor([5, 0, 10, 5], device=device)  # an expert with no rows
+    hist = torch.zeros(3, 4, device=device) if recipe == "delayed" else None
     y = fp8_grouped_linear(x, w, sizes, bias, hist, recipe, "hybrid", 16)
     ref = ops.grouped_mm(x, w, sizes, bias)
     g = torch.randn_like(ref)
