@@ -34,6 +34,8 @@ if ! python3 -m pip install -q --no-deps --no-build-isolation -e . > "$out/insta
     ln -sfn ../passes moecompile/passes && ln -sfn ../kernels moecompile/kernels
     echo "not installed; importing moecompile from $PWD (passes/ and kernels/ linked into it)"
 fi
+python3 -m moecompile env  # versions, the GPU, FP8, kernels and collectives here, and any problem found
+python3 -m moecompile env --json > "$out/env.json"
 
 # first, whether this torch imports and converts at all: a tiny model converted on the GPU, one forward in
 # fp32 and one under bf16 autocast (the default on CUDA; torch 2.11's export broke it until stop 36)
