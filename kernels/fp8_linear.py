@@ -134,8 +134,8 @@ def fp8_mm(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, block: int, b_blo
         return y[:M, :N].contiguous()
     # Each K block's product unscaled (unit tensorwise scales), then its row and column scales in
     # float32: what a rowwise-scaled GEMM computes, but a rowwise `_scaled_mm` with a float32 output
-    # exists only in cuBLAS on sm_90 (sm_89 and sm_100 take bf16 outputs only) and not on the CPU
-    # before torch 2.13; the unit-scaled one runs everywhere.
+    # exists only in cuBLAS 12.9+ on sm_90 (sm_89 and sm_100 take a bf16 or fp16 output only) and not
+    # on the CPU in torch 2.11; the unit-scaled one runs everywhere.
     unit = a_q.new_ones((), dtype=torch.float32)
     y = a_q.new_zeros((M, N), dtype=torch.float32)
     for kb in range(math.ceil(K / block)):

@@ -129,7 +129,7 @@ def fake_rank(rank: int, world_size: int, ep_step: bool = False) -> Iterator[Non
     """This process poses as ``rank`` of a ``world_size`` world: no live collectives.
 
     An expert-parallel step (``ep_step``) needs its all-to-all of token counts to come back written:
-    torch 2.13's fake group copies the input through (as if every rank sent the same), torch 2.11's
+    torch 2.13's fake group copies the input through (as if every rank sent the same), 2.11's and 2.12's
     leaves the output as allocated, so such a test is skipped there.
     """
     import pytest

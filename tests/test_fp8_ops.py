@@ -78,7 +78,7 @@ def test_all_zero_tile_quantizes_to_zero():
 
 
 def _cpu_scaled_mm_takes_row_scales() -> bool:
-    """torch < 2.13 on the CPU takes only tensorwise scales (an internal assert otherwise)."""
+    """torch 2.11 on the CPU takes only tensorwise scales (an internal assert otherwise)."""
     a = torch.ones(16, 16).to(torch.float8_e4m3fn)
     try:
         torch._scaled_mm(a, a.t(), torch.ones(16, 1), torch.ones(1, 16), out_dtype=torch.float32)
