@@ -10,21 +10,17 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import platform
-import re
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from .kernels import backend
 from .kernels.fp8_quantize import FP8_MIN_ARCH
 
 OPTIONAL = ("triton", "transformers", "safetensors")  # extras: moecompile[triton], moecompile[hf]
-
-
-def _release(version: str) -> tuple[int, ...]:
-    """(2, 11, 0) from "2.11.0+cu130" or "2.12.0a0": the numeric release, local and pre-release tags dropped."""
-    return tuple(int(p) for p in re.findall(r"\d+", version.split("+")[0])[:3])
 
 
 def torch_requirement() -> str | None:
@@ -33,24 +29,17 @@ def torch_requirement() -> str | None:
         requires = importlib.metadata.requires("moecompile") or []
     except importlib.metadata.PackageNotFoundError:
         return None
-    for req in requires:
-        m = re.fullmatch(r"torch\s*([<>=!~][^;]*)", req.strip())
-        if m:
-            return m.group(1).replace(" ", "")
+    for line in requires:
+        req = Requirement(line)
+        if req.name == "torch" and req.marker is None:
+            return str(req.specifier)
     return None
 
 
 def in_range(version: str, requirement: str) -> bool:
-    """Does ``version`` meet every ``>=``, ``>``, ``<``, ``<=``, ``==``, ``!=`` clause of ``requirement``?"""
-    have = _release(version)
-    tests = {">=": lambda v: have >= v, ">": lambda v: have > v, "<=": lambda v: have <= v,
-             "<": lambda v: have < v, "==": lambda v: have == v, "!=": lambda v: have != v}
-    for clause in requirement.split(","):
-        op, ver = re.fullmatch(r"(>=|<=|==|!=|>|<)(.+)", clause).groups()
-        want = _release(ver)
-        if not tests[op](want + (0,) * (len(have) - len(want))):
-            return False
-    return True
+    """Does ``version`` meet ``requirement`` as pip reads it (PEP 440: ``~=``, ``==2.13.*`` and local
+    tags included; a pre-release of 2.15 is below 2.15)?"""
+    return SpecifierSet(requirement).contains(version, prereleases=True)
 
 
 def _version(module: str) -> str | None:

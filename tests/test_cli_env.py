@@ -38,6 +38,12 @@ def test_torch_range(version, inside):
     assert in_range(version, "<2.15,>=2.11") is inside
 
 
+@pytest.mark.parametrize("requirement,version,inside", [("~=2.13.0", "2.13.1+cpu", True), ("~=2.13.0", "2.14.0", False),
+                                                        ("==2.13.*", "2.13.0+cu130", True), ("!=2.12.0", "2.12.0", False)])
+def test_torch_range_reads_every_pep440_clause(requirement, version, inside):
+    assert in_range(version, requirement) is inside
+
+
 def test_each_problem_names_its_fix():
     facts = environment()
     old = dict(facts, torch="2.10.0", torch_required="<2.15,>=2.11", triton=None, transformers=None,
