@@ -85,7 +85,7 @@ def _delayed_amax(history_row: Tensor, current: Tensor) -> Tensor:
 
 def _quantize(x: Tensor, role: str, recipe: str, fmt: str, block: int, history: Optional[Tensor], row: int):
     """(q, scale, amax) of one GEMM operand; role "act" (1 x B tiles) or "weight" (B x B blocks)."""
-    amax = x.detach().abs().amax().float()
+    amax = x.detach().abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)  # no rows: 0
     if recipe == "delayed":
         used = _delayed_amax(history[row], amax)  # type: ignore[index]
         q, scale = _quantize_with_amax(x, used, fmt)

@@ -10,6 +10,8 @@ Legend: Bt batch of matrices, R rows, C columns, B block (see kernels/fp8_quanti
 Same arithmetic as the reference (IEEE divisions via tl.div_rn), so q and the
 scales match it bit for bit. On a GPU, float8 needs sm89+ (Ada, Hopper).
 """
+import math
+
 import triton
 import triton.language as tl
 import torch
@@ -133,9 +135,9 @@ def quantize_fp8_triton(x: Tensor, recipe: str, fmt: str, block: int) -> tuple[T
     _check(x, recipe, fmt, block)
     check_fp8_arch(x.device, "quantize_fp8")
     *lead, R, C = x.shape
-    x3 = x.reshape(-1, R, C)
+    Bt = math.prod(lead)  # not reshape(-1, ...): it cannot infer the -1 of an empty x
+    x3 = x.reshape(Bt, R, C)
     x3 = x3 if x3.stride(-1) == 1 else x3.contiguous()
-    Bt = x3.shape[0]
     q = x3.new_empty(x3.shape, dtype=FORMATS[fmt])
     scale = empty_scale(x, recipe, block)  # the reference's layout, strides included
     s3 = scale.view(Bt) if recipe == "tensorwise" else scale.view(Bt, *scale.shape[-2:])

@@ -103,6 +103,33 @@ def test_fp8_grouped_linear_tracks_grouped_mm(recipe, device):
     assert got[1][1].abs().sum() == 0  # the empty expert gets no weight gradient
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_grouped_linear_takes_no_rows(recipe, device):
+    """Dropless expert parallelism can send a rank no rows at all: an empty output, zero weight gradients."""
+    x = torch.zeros(0, 32, device=device, requires_grad=True)
+    w = torch.randn(4, 48, 32, device=device, requires_grad=True)
+    bias = torch.randn(4, 48, device=device, requires_grad=True)
+    hist = torch.zeros(3, 4, device=device) if recipe == "delayed" else None
+    y = fp8_grouped_linear(x, w, torch.zeros(4, dtype=torch.int64, device=device), bias, hist, recipe, "hybrid", 16)
+    assert y.shape == (0, 48)
+    dx, dw, db = torch.autograd.grad(y, (x, w, bias), torch.zeros_like(y))
+    assert dx.shape == (0, 32) and not dw.any() and not db.any()
+    if hist is not None:
+        assert torch.isfinite(hist).all()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_takes_no_rows(recipe):
+    x = torch.zeros(0, 32, requires_grad=True)
+    w = torch.randn(48, 32, requires_grad=True)
+    hist = torch.zeros(3, 4) if recipe == "delayed" else None
+    y = fp8_linear(x, w, None, hist, recipe, "hybrid", 16)
+    assert y.shape == (0, 48)
+    dx, dw = torch.autograd.grad(y, (x, w), torch.zeros_like(y))
+    assert dx.shape == (0, 32) and not dw.any()
+
+
 @pytest.mark.parametrize("K,N", [(32, 16), (40, 24)])  # 24 and 40: the GEMM pads to 16 and must not leak it
 def test_fp8_ops_pass_opcheck(K, N):
     """Fake and real outputs agree in shape, dtype and strides (Inductor asserts the strides at run time)."""

@@ -364,6 +364,24 @@ def test_fp8_dgrad_through_transposed_views():
     close(got, want, torch.float32, "dgrad")
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
+def test_fp8_grouped_linear_takes_no_rows(recipe):
+    """A rank that dropless expert parallelism sends no rows: the quantize kernels' empty path."""
+    from moecompile.kernels.fp8_linear import fp8_grouped_linear
+
+    w = torch.randn(3, 24, 16, requires_grad=True)
+
+    def run():
+        x = torch.zeros(0, 16, requires_grad=True)
+        hist = torch.zeros(3, 4) if recipe == "delayed" else None
+        y = fp8_grouped_linear(x, w, torch.zeros(3, dtype=torch.int64), None, hist, recipe, "hybrid", 16)
+        return (y, *torch.autograd.grad(y, (x, w), torch.zeros_like(y)))
+
+    got, want = both(run)
+    close(got, want, torch.float32, recipe)
+    assert got[0].shape == (0, 24) and not got[2].any()
+
+
 def test_moe_block_runs_on_triton_end_to_end():
     """route -> permute(align) -> grouped_mm -> weighted glu -> grouped_mm -> unpermute, all Triton."""
     T, E, K, H, Fh = 19, 6, 2, 24, 20
