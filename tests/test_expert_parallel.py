@@ -283,6 +283,10 @@ def scenario_two_ranks(rank: int, world_size: int) -> dict:
     errs = ep_errors(rank, model, p, xs, targets)
     assert_close(errs, "fp8 blockwise")
     report["fp8/blockwise"] = {k: errs[k] for k in ("out", "loss", "grad")}
+    p = mc.Plan.from_dict({**plan(2, expert_bias=True).to_dict(), "fp8": {"recipe": "blockwise", "block_size": 16}})
+    errs = ep_errors(rank, model, p, xs, targets, setup=idle_experts_and_ranks)  # a rank's GEMMs get no rows
+    assert_close(errs, "fp8 blockwise with idle ranks")
+    report["fp8/blockwise/zero_tokens"] = {k: errs[k] for k in ("out", "loss", "grad")}
     # bf16 autocast: the tokens are cast before the permute, so the packed exchange carries bf16 rows with fp32
     # routing weights (widened, never rounded). Rows move unchanged, so outputs match ep = 1 to fp32 round-off;
     # the bf16 weight gradients sum rows in another order, so they match to bf16's
@@ -429,6 +433,7 @@ def test_two_ranks_match_single_process_for_both_dispatchers_and_modes(two_ranks
 def test_fp8_and_torch_compile_at_ep2_match_single_process(two_ranks):
     for report in two_ranks:  # asserted <= TOL inside each rank
         assert max(report["fp8/blockwise"].values()) <= TOL, report["fp8/blockwise"]
+        assert max(report["fp8/blockwise/zero_tokens"].values()) <= TOL, report["fp8/blockwise/zero_tokens"]
         assert report["autocast"]["out"] <= TOL and report["autocast"]["grad"] <= 2**-7, report["autocast"]
         assert max(v for k, v in report["compiled/dropless"].items() if k != "graph_breaks") <= TOL
         assert report["compiled/dropless"]["graph_breaks"] > 0  # the splits are read on the host
