@@ -317,6 +317,11 @@ def load(step: Any, path: str | Path) -> None:
 
     root = _resolve(Path(path))
     meta = read_meta(root)
+    saved_etp, etp = int(meta.get("plan", {}).get("parallel", {}).get("etp", 1)), step.plan.parallel.etp
+    if saved_etp != etp:  # its expert tensors are slices of another width: no key would match
+        raise CheckpointError(f"{root} was written at parallel.etp={saved_etp} (experts cut into {saved_etp} slices) "
+                              f"and this step has parallel.etp={etp}: load it with parallel.etp: {saved_etp} (at any ep); "
+                              "a checkpoint does not change etp")
     if any(k.startswith("optim/") for k in meta["crc32"]):
         _ensure_optimizer_state(step)
     sd = state_dict(step)

@@ -7,8 +7,10 @@
     result = mc.convert(model, plan, (ids,))   # picks the world up by itself when torch.distributed is up
 
 Fields: ``rank, world_size, ep, ep_rank, ep_group, edp_group, dp_group`` (+ ``edp``, ``edp_rank``,
-``ep_ranks``, ``edp_ranks``, ``timeout_s``). The layout is "parallel folding": dense layers see
-one data-parallel world, experts see it folded into ``ep`` x ``edp``::
+``ep_ranks``, ``edp_ranks``, ``timeout_s``, ``etp``). The layout is "parallel folding": dense layers see
+one data-parallel world, experts see it folded into ``ep`` x ``edp``. Under ``parallel.etp`` the ep group
+spans ``parallel.ep * parallel.etp`` ranks (``World.ep``) holding E*etp expert slices
+(passes/ep_slices.py); everything below is unchanged::
 
     ep groups   [0, ep), [ep, 2ep), ...     share one layer's experts; tokens travel inside them
     edp groups  {j, j+ep, j+2ep, ...}        hold the same experts on different data
@@ -70,6 +72,7 @@ class World:
     ep_ranks: tuple[int, ...] = ()
     edp_ranks: tuple[int, ...] = ()
     timeout_s: float = 300.0
+    etp: int = 1  # of ``ep``, the slices each expert is cut into (plan.parallel.etp); ep / etp whole experts
 
     @property
     def ep_group_name(self) -> str:
@@ -129,8 +132,9 @@ def init(
             backend, init_method=init_method, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    ep = plan.parallel.ep if plan is not None else 1
-    return build_world(ep, timeout_s)
+    if plan is None:
+        return build_world(1, timeout_s)
+    return build_world(plan.parallel.ep, timeout_s, etp=plan.parallel.etp)
 
 
 def shutdown() -> None:
@@ -149,17 +153,21 @@ def shutdown() -> None:
 
 def world_from_plan(plan: Any) -> World:
     """The world for ``plan.parallel`` on the already-initialised ``torch.distributed``."""
-    return build_world(plan.parallel.ep, plan.parallel.timeout_s)
+    return build_world(plan.parallel.ep, plan.parallel.timeout_s, etp=plan.parallel.etp)
 
 
-def check_ep(ep: int, world_size: int) -> None:
-    """A ``PlanError`` naming both numbers unless ``ep`` divides the world (before any rank or group exists)."""
-    W = world_size
-    if ep < 1 or W % ep:
-        raise PlanError(
-            "parallel.ep", ep, f"must divide the world size {W} (world_size % ep = {W % ep if ep >= 1 else W}); "
-            f"launch a multiple of {ep} ranks or choose ep among {[d for d in range(1, W + 1) if W % d == 0]}"
-        )
+def check_ep(ep: int, world_size: int, etp: int = 1) -> None:
+    """A ``PlanError`` naming the numbers unless ``ep`` (times ``etp``) divides the world (before any rank or
+    group exists)."""
+    W, group = world_size, ep * etp
+    if ep < 1 or W % group:
+        sizes = [d for d in range(1, W + 1) if W % d == 0]
+        if etp == 1:
+            raise PlanError("parallel.ep", ep, f"must divide the world size {W} (world_size % ep = "
+                            f"{W % ep if ep >= 1 else W}); launch a multiple of {ep} ranks or choose ep among {sizes}")
+        raise PlanError("parallel.ep", ep, f"times parallel.etp={etp} ({group} ranks hold one layer's expert slices) "
+                        f"must divide the world size {W}; launch a multiple of {group} ranks or choose ep x etp "
+                        f"among {sizes}")
 
 
 def free_port() -> int:
@@ -171,8 +179,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def build_world(ep: int = 1, timeout_s: float = 300.0) -> World:
-    """Create (once per process) the ep / edp / dp groups for expert-parallel size ``ep``.
+def build_world(ep: int = 1, timeout_s: float = 300.0, etp: int = 1) -> World:
+    """Create (once per process) the ep / edp / dp groups for expert-parallel size ``ep`` and expert-tensor-
+    parallel size ``etp``: the ep group spans ``ep * etp`` ranks (``World.ep``), which hold the experts' slices.
 
     Every rank must call it with the same arguments, as with ``dist.new_group``. Raises a
     ``PlanError`` naming both numbers, before any group exists, when ``ep`` doesn't divide the world.
@@ -183,11 +192,12 @@ def build_world(ep: int = 1, timeout_s: float = 300.0) -> World:
             "or torch.distributed.init_process_group(...) first"
         )
     W, rank = dist.get_world_size(), dist.get_rank()
-    check_ep(ep, W)
+    check_ep(ep, W, etp)
+    ep = ep * etp  # the ep group: ranks a layer's experts (their slices) are spread over
     if _WORLDS_OWNER[0] is not dist.group.WORLD:
         _WORLDS.clear()
         _WORLDS_OWNER[0] = dist.group.WORLD
-    key = (ep, float(timeout_s))
+    key = (ep, etp, float(timeout_s))
     if key in _WORLDS:
         return _WORLDS[key]
     edp = W // ep
@@ -205,7 +215,7 @@ def build_world(ep: int = 1, timeout_s: float = 300.0) -> World:
     world = World(
         rank=rank, world_size=W, ep=ep, ep_rank=rank % ep, ep_group=mine["ep"], edp_group=mine["edp"],
         dp_group=mine["dp"], edp=edp, edp_rank=rank // ep, ep_ranks=ep_sets[rank // ep],
-        edp_ranks=edp_sets[rank % ep], timeout_s=float(timeout_s),
+        edp_ranks=edp_sets[rank % ep], timeout_s=float(timeout_s), etp=etp,
     )
     _WORLDS[key] = world
     log.info("rank %d: ep group %s, edp group %s, dp world %d", rank, world.ep_ranks, world.edp_ranks, W)
@@ -215,19 +225,21 @@ def build_world(ep: int = 1, timeout_s: float = 300.0) -> World:
 def resolve_world(plan: Any, world: World | None) -> World | None:
     """The world ``convert`` hands the passes: the given one, or one built from the plan when
     ``torch.distributed`` is initialised; ``None`` for a single process (``parallel.ep`` must be 1)."""
-    ep = plan.parallel.ep
+    ep, etp = plan.parallel.ep, plan.parallel.etp
     if world is None and dist.is_available() and dist.is_initialized():
         world = world_from_plan(plan)
     if world is None:
-        if ep > 1:
+        if ep * etp > 1:
+            what = f"parallel.ep={ep}" if etp == 1 else f"parallel.ep={ep} x parallel.etp={etp}"
             raise DistributedError(
-                f"parallel.ep={ep} needs {ep} or a multiple of {ep} processes with torch.distributed initialised: "
+                f"{what} needs {ep * etp} or a multiple of {ep * etp} processes with torch.distributed initialised: "
                 "launch with torchrun --nproc-per-node N, call moecompile.distributed.init(plan) first, "
                 "or pass world= to convert"
             )
         return None
-    if world.ep != ep:
-        raise PlanError("parallel.ep", ep, f"the world passed to convert was built for ep={world.ep}; build it from this plan")
+    if (world.ep, world.etp) != (ep * etp, etp):
+        raise PlanError("parallel.ep", ep, f"the world passed to convert was built for ep={world.ep // world.etp}, "
+                        f"etp={world.etp}; build it from this plan")
     return world
 
 

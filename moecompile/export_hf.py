@@ -37,6 +37,7 @@ import torch.distributed as dist
 from . import param_gathers, param_shards
 from .errors import MoecompileError
 from .bucket_layout import moe_blocks
+from .expert_slices import join_slices, whole_experts
 from .models import GROUPED_SIGMOID_ROUTERS
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,8 @@ def hf_config(result: Any, arch: str, config: Any) -> Any:
     plan = result.plan.experts
     info = next(iter(blocks.values()))
     F_dense = config.intermediate_size  # the dense layers' (and Mixtral's experts') width
-    F_expert = dict(result.module.named_parameters())[info["params"]["w_out"]].shape[-1]  # F/G, or an adopted block's
+    F_expert = (dict(result.module.named_parameters())[info["params"]["w_out"]].shape[-1]  # F/G, or an adopted block's
+                * info.get("slices", 1))  # parallel.etp: each rank holds 1/etp of the width
     common = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_hidden_layers,
         num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
@@ -227,7 +229,7 @@ def hf_state_dict(result: Any, world: Any = None, selection_bias: bool = False) 
             rename[p["shared_gate"]] = f"{layer}.shared_expert_gate.weight"
         shared[p["shared_w_in"]] = (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight")
         shared[p["shared_w_out"]] = (f"{mlp}.down_proj.weight",)
-    expert_names = {blocks[layer]["params"][k] for layer in blocks for k in ("w_in", "w_out")}
+    expert_names = {blocks[layer]["params"][k]: (blocks[layer], k) for layer in blocks for k in ("w_in", "w_out")}
     out = {}
     for name, t in module.named_parameters():
         value = t.detach()
@@ -235,17 +237,20 @@ def hf_state_dict(result: Any, world: Any = None, selection_bias: bool = False) 
             out.update(zip(shared[name], (v.contiguous().clone() for v in value[0].chunk(len(shared[name])))))
             continue
         if name in expert_names:
+            info, key = expert_names[name]
             value = _gather_experts(value, world)
-            E = next(i["num_experts"] for i in blocks.values() if name in (i["params"]["w_in"], i["params"]["w_out"]))
-            if value.shape[0] != E:
-                raise ExportError(f"{name} holds {value.shape[0]} experts after gathering, the plan has {E}")
+            if value.shape[0] != info["num_experts"]:
+                raise ExportError(f"{name} holds {value.shape[0]} experts after gathering, the plan has "
+                                  f"{info['num_experts']}")
+            if info.get("slices", 1) > 1:  # parallel.etp: the slices of each expert joined back
+                value = join_slices(value, key, info["slices"], info["glu"])
         out[rename.get(name, name)] = value.contiguous().clone()
     if selection_bias:
         buffers = dict(module.named_buffers())
         for layer, info in blocks.items():
             bias = buffers.get(info["params"].get("bias", ""))
             out[f"{layer}.gate.e_score_correction_bias"] = (
-                bias.detach().float().clone() if bias is not None else torch.zeros(info["num_experts"]))
+                bias.detach().float().clone() if bias is not None else torch.zeros(whole_experts(info)))
     return out
 
 

@@ -184,7 +184,7 @@ def estimate_memory(result: Any, batch: Any = None, *, optimizer: str = "adamw",
         raise MoecompileError(f"estimate_memory: state_dtype must be a torch.dtype (e.g. torch.float32), got {state_dtype!r}")
     gm = result.module
     inputs = example_inputs(result, batch)
-    ep = result.plan.parallel.ep  # the graph holds this rank's E/ep experts and its dispatch/combine buffers
+    ep = result.plan.parallel.expert_ranks  # the graph holds this rank's E/ep experts and its dispatch/combine buffers
     try:
         profile = profile_activations(gm.graph, gm, inputs, ep=ep)
     except Exception as e:

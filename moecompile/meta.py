@@ -17,7 +17,7 @@ copies its origin's entry with :func:`copy_moe`. Keys, all optional:
 from __future__ import annotations
 
 import enum
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import torch.fx as fx
 
@@ -71,6 +71,7 @@ class MoEInfo(TypedDict):
     nodes: dict[str, str]  # role -> node name of the block's key nodes (route, permute, experts_in, ...)
     expert_range: tuple[int, int]  # global expert ids held by this rank [lo, hi)
     weights_at: str  # "activation" (glu multiplies each row's routing weight in) or "combine" (unpermute does)
+    slices: NotRequired[int]  # parallel.etp: each expert cut into this many slice-experts (num_experts counts them)
 
 
 class MoEMeta(TypedDict, total=False):

@@ -208,7 +208,7 @@ def replace_load(gm: fx.GraphModule, block: Block, load: fx.Node) -> None:
     old = block.outs.get(3)
     if old is None:
         return
-    old.replace_all_uses_with(load)
+    old.replace_all_uses_with(load, delete_user_cb=lambda u: u is not load)  # ``load`` may read ``old``
     state = gm.meta.get("moe_side_outputs")
     if state and block.layer in state["side"]:
         by_name = {n.name: n for n in gm.graph.nodes}
@@ -220,23 +220,30 @@ def replace_load(gm: fx.GraphModule, block: Block, load: fx.Node) -> None:
 def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     cfg = ctx.plan.parallel
     world: World | None = ctx.world
-    if cfg.ep > 1 and (world is None or world.ep != cfg.ep):
+    P = cfg.expert_ranks  # ep x etp: the ranks a layer's experts (or their slices) are spread over
+    if P > 1 and (world is None or world.ep != P):
         raise DistributedError(
-            f"parallel.ep={cfg.ep} but the conversion's world is "
-            f"{'missing' if world is None else f'built for ep={world.ep}'}: initialise torch.distributed "
-            "(torchrun, or moecompile.distributed.init(plan)) before convert"
+            f"parallel.ep={cfg.ep}{f' x parallel.etp={cfg.etp}' if cfg.etp > 1 else ''} but the conversion's world "
+            f"is {'missing' if world is None else f'built for an ep group of {world.ep}'}: initialise "
+            "torch.distributed (torchrun, or moecompile.distributed.init(plan)) before convert"
         )
-    layers, changed = [], cfg.ep > 1  # at ep=1 the graph changes only where a static capacity is set
+    layers, changed = [], P > 1  # at ep=1 the graph changes only where a static capacity is set
     for block in find_blocks(gm):
+        sliced = ""
+        if cfg.etp > 1:
+            from .ep_slices import slice_experts
+
+            slice_experts(gm, block, cfg.etp)
+            sliced = f" (slices of {block.info['num_experts'] // cfg.etp} experts cut {cfg.etp} ways)"
         E = block.info["num_experts"]
         capacity = _static_capacity(ctx, block)
         if capacity is not None and block.permute.args[4] != capacity:
             block.permute.update_arg(4, capacity)
             changed = True
-        lo, hi = world.expert_range(E) if world is not None and cfg.ep > 1 else (0, E)
+        lo, hi = world.expert_range(E) if world is not None and P > 1 else (0, E)
         _shard(gm, block, lo, hi)
         mode = "dropless" if capacity is None else f"static, capacity {capacity} per expert per source rank"
-        if cfg.ep == 1:
+        if P == 1:
             ctx.decide(f"{block.layer}: ep=1, all {E} experts local ({mode})")
             layers.append(block.layer)
             continue
@@ -253,11 +260,11 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         else:
             ep_allgather.rewrite(gm, em, world, capacity)
         ctx.decide(
-            f"{block.layer}: experts [{lo}, {hi}) of {E} on ep rank {world.ep_rank}/{world.ep} "
+            f"{block.layer}: experts [{lo}, {hi}) of {E}{sliced} on ep rank {world.ep_rank}/{world.ep} "
             f"(group {world.ep_ranks}), {cfg.dispatcher} dispatch, {mode}{weights}"
         )
         layers.append(block.layer)
-    ctx.record(ep=cfg.ep, dispatcher=cfg.dispatcher, dispatch_mode=cfg.dispatch_mode, layers=layers,
+    ctx.record(ep=cfg.ep, etp=cfg.etp, dispatcher=cfg.dispatcher, dispatch_mode=cfg.dispatch_mode, layers=layers,
                ep_ranks=list(world.ep_ranks) if world is not None else [0])
     gm.graph.lint()
     return PassResult(gm, changed)

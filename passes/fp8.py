@@ -93,7 +93,7 @@ def fp8(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         ctx.decide("fp8.recipe is 'none' (or fp8.modules empty): every GEMM stays in high precision")
         ctx.record(fp8={"recipe": cfg.recipe, "converted": {}, "kept": {}})
         return PassResult(gm, False)
-    ep = ctx.plan.parallel.ep  # a dropless dispatch's splits are data-dependent: profiled as balanced
+    ep = ctx.plan.parallel.expert_ranks  # a dropless dispatch's splits are data-dependent: profiled as balanced
     before = profile_activations(gm.graph, gm, ctx.example_inputs, ep=ep).device_bytes
     layers = [i for n in gm.graph.nodes if (i := layer_index(n)) is not None]
     kept_layers = cfg.kept_layers(max(layers) + 1) if layers else set()

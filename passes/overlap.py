@@ -57,7 +57,7 @@ def overlap(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not cfg.enabled:
         ctx.decide("overlap.enabled is false: graph unchanged")
         return PassResult(gm, False)
-    if par.ep == 1 or world is None:
+    if par.expert_ranks == 1 or world is None:
         ctx.decide("parallel.ep is 1: no exchanges to overlap, graph unchanged")
         ctx.record(schedule={})
         return PassResult(gm, False)

@@ -270,7 +270,7 @@ def recompute(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if not cfg.modules and not cfg.offload and cfg.budget is None:
         ctx.decide("recompute.modules, .offload and .budget are empty: every activation is kept")
         return PassResult(gm, False)
-    profile = profile_activations(gm.graph, gm, ctx.example_inputs, ep=ctx.plan.parallel.ep)
+    profile = profile_activations(gm.graph, gm, ctx.example_inputs, ep=ctx.plan.parallel.expert_ranks)
     g = _Graph(gm, profile)
     baseline = profile.device_bytes
     skipped = []
@@ -315,7 +315,7 @@ def recompute(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         record["offloaded"].append({"regions": _label(u.regions), "nodes": len(u.recompute)})
         ctx.decide(f"offload {_label(u.regions)}: saved tensors >= {cfg.offload_min_bytes} B go to host memory")
     stable_toposort(gm.graph)
-    after = profile_activations(gm.graph, gm, ctx.example_inputs, ep=ctx.plan.parallel.ep)
+    after = profile_activations(gm.graph, gm, ctx.example_inputs, ep=ctx.plan.parallel.expert_ranks)
     record |= {"activation_bytes": after.device_bytes, "offloaded_bytes": after.host_bytes}
     ctx.decide(f"activations per rank {human(baseline, 'B', 1024)} -> {human(after.device_bytes, 'B', 1024)}"
                + (f" (+{human(after.host_bytes, 'B', 1024)} on host)" if after.host_bytes else ""))

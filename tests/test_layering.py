@@ -17,7 +17,7 @@ FOLDERS = {"moecompile": ROOT / "moecompile", "moecompile.passes": ROOT / "passe
 
 # the part of moecompile/ that passes build on; anything else there is driver
 CORE = {"errors", "meta", "graph", "plan", "pass_manager", "history", "outputs", "distributed", "shapes", "schedule",
-        "costs", "memory", "bucket_layout", "tensor_handles"}
+        "costs", "memory", "bucket_layout", "tensor_handles", "expert_slices"}
 
 
 def _modules() -> dict[str, pathlib.Path]:

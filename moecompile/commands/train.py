@@ -152,14 +152,14 @@ def preflight(args: argparse.Namespace, world_size: int) -> _Checked:
     config = load_config(model, **overrides)
     # a model with MoE layers of its own (Mixtral, Qwen3-MoE) fixes the experts fields of the default plan
     plan = load_plan(args.plan, [], experts={**DEFAULT_PLAN["experts"], **own_experts(config)})
-    if world_size > 1 and not _plan_sets_ep(args):  # one expert shard per rank unless told otherwise
-        plan = apply_sets(plan, [f"parallel.ep={world_size}"])
     if args.sets:
         plan = apply_sets(plan, args.sets)
+    if world_size > 1 and not _plan_sets_ep(args):  # one expert shard (or slice, under etp) per rank unless told
+        plan = apply_sets(plan, [f"parallel.ep={max(world_size // plan.parallel.etp, 1)}"])
     if world_size > 1:
         from ..distributed import check_ep
 
-        check_ep(plan.parallel.ep, world_size)
+        check_ep(plan.parallel.ep, world_size, plan.parallel.etp)
     if args.batch % world_size:
         raise MoecompileError(f"--batch {args.batch} must be a multiple of the {world_size} ranks")
     per_rank = args.batch // world_size

@@ -33,6 +33,13 @@ class ParallelConfig(Section):
     ep: int = doc_field(
         1, "Expert-parallel size: ranks sharing one layer's experts (rank r of a group keeps E/ep of them)."
     )
+    etp: int = doc_field(
+        1,
+        "Expert-tensor-parallel size (Megatron-Core's expert_tensor_parallel_size): each expert's FFN width is cut "
+        "into etp slices held by etp different ranks, so experts spread over ep x etp ranks (more ranks than "
+        "experts, or experts too wide for one). A token routed to an expert goes to every slice and the slices' "
+        "outputs add up; this is exact, as the down projection sums over the FFN width.",
+    )
     dispatcher: Literal["alltoall", "allgather"] = doc_field(
         "alltoall",
         "How tokens reach their experts: all-to-all of the routed copies (bytes ~ T*k*H), or all-gather "
@@ -113,9 +120,16 @@ class ParallelConfig(Section):
         "(a rank that raised or died must not hang the others).",
     )
 
+    @property
+    def expert_ranks(self) -> int:
+        """Ranks one layer's experts (their slices, under etp) are spread over: the ep group's size."""
+        return self.ep * self.etp
+
     def validate(self) -> None:
         if self.ep < 1:
             self.fail("ep", "must be >= 1")
+        if self.etp < 1:
+            self.fail("etp", "must be >= 1")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             self.fail("capacity_factor", "must be > 0, or null to use experts.capacity_factor")
         if self.timeout_s <= 0:

@@ -304,7 +304,9 @@ def build_view(graph: fx.Graph, title: str = "graph", new_names: Iterable[str] |
         label = f"{name} · {types[path]}" if types.get(path) else name
         if path in moe_blocks:
             info = moe_blocks[path]
-            label = f"{name} · MoE ({info.get('num_experts')} experts, top-{info.get('top_k')})"
+            cut = info.get("slices", 1)
+            experts = f"{info.get('num_experts', 0) // cut} experts" + (f" in {cut} slices" if cut > 1 else "")
+            label = f"{name} · MoE ({experts}, top-{info.get('top_k')})"
         gid = len(groups)
         groups.append(ViewGroup(gid, path, label, parent, groups[parent].depth + 1, layer=bool(_LAYER_RE.match(path))))
         by_path[path] = gid

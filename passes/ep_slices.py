@@ -1,0 +1,79 @@
+"""Expert tensor parallelism (``parallel.etp = Q``) for ``expert_parallel``: each expert cut into Q slices.
+
+An expert's FFN is elementwise over its width F and its down projection sums over F, so the expert is
+the sum of Q narrower experts (slices) that each keep F/Q of its columns::
+
+    expert_e(x) = sum_q  down[:, q] @ act(gate[q] x) * (up[q] x)        (q: columns [q*F/Q, (q+1)*F/Q))
+
+So the layer becomes one of E*Q slice-experts, and a token routed to expert e is routed to all of its Q
+slices with e's weight; the combine's weighted sum over the k*Q copies adds the slices back up::
+
+    idx_T(QK) = cat([idx_TK + q*E for q in range(Q)], 1)       slice-major: slice-expert q*E + e
+    w_T(QK)   = w_TK.repeat(1, Q)                               (the permute, glu weights and combine read it)
+    load_E    = load_(QE)[:E]                                   (slice 0's counts: every slice gets e's tokens)
+
+Then the expert-parallel rewrite runs unchanged over ep*Q ranks: rank r holds slice-experts
+[r*E/ep, (r+1)*E/ep), i.e. slice r // ep of the experts of ep rank r % ep — Megatron-Core's ETP layout.
+It moves the same bytes as Megatron's all-to-all + all-gather (and reduce-scatter + all-to-all) inside
+the ETP group: each routed copy goes to Q ranks and Q partial outputs come back. Capacity (static mode)
+is per slice-expert and every slice of e sees exactly e's tokens, so the same tokens drop in each slice.
+Expert tensors keep their names; ``MoEInfo`` says ``num_experts = E*Q`` and ``slices = Q``
+(``moecompile.expert_slices.join_slices`` rebuilds whole experts for export).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from moecompile.expert_slices import WIDTH_DIM, cut_slices
+from moecompile.meta import Role
+
+from .expert_parallel import Block, replace_load
+
+aten = torch.ops.aten
+def slice_experts(gm: fx.GraphModule, block: Block, Q: int) -> None:
+    """Rewrite ``block`` into E*Q slice-experts (see the module doc); raises ValueError where it cannot."""
+    info, E = block.info, block.info["num_experts"]
+    params = info["params"]
+    if "b_out" in params:
+        raise ValueError(f"{block.layer}: experts with an output bias cannot be sliced (parallel.etp={Q}): each "
+                         "slice would add the bias once; use parallel.etp: 1 for this model")
+    for key in ("w_in", "w_out", "b_in"):
+        name = params.get(key)
+        if name is None:
+            continue
+        owner_path, leaf = name.rpartition(".")[::2]
+        owner = gm.get_submodule(owner_path)
+        p = owner._parameters[leaf]
+        width = p.shape[WIDTH_DIM[key]] // (2 if info["glu"] and key in ("w_in", "b_in") else 1)
+        if width % Q:
+            raise ValueError(f"{block.layer}: parallel.etp={Q} must divide each expert's FFN width {width} ({name} "
+                             f"is {list(p.shape)}); choose etp among {[d for d in range(1, width + 1) if width % d == 0][:8]}")
+        owner._parameters[leaf] = nn.Parameter(cut_slices(p.detach(), key, Q, info["glu"]), requires_grad=p.requires_grad)
+
+    permute, graph = block.permute, gm.graph
+    _x, idx_TK, w_TK = permute.args[:3]
+    stamp = {k: permute.meta[k] for k in ("nn_module_stack", "stack_trace") if k in permute.meta}
+
+    def emit(target, *args) -> fx.Node:
+        n = graph.call_function(target, args)
+        n.meta.update(stamp)
+        n.meta["moe"] = {"layer": block.layer, "role": Role.PERMUTE}
+        return n
+
+    readers = [u for u in w_TK.users if u.meta.get("moe", {}).get("role") in (Role.PERMUTE, Role.COMBINE)]
+    with graph.inserting_before(permute):
+        idx_Q = emit(aten.cat.default, [idx_TK, *(emit(aten.add.Tensor, idx_TK, q * E) for q in range(1, Q))], 1)
+        w_Q = emit(aten.repeat.default, w_TK, [1, Q])
+    for n in readers:  # the permute, the glu's per-row weights, the combine
+        n.replace_input_with(w_TK, w_Q)
+    permute.update_arg(1, idx_Q)
+    permute.update_arg(3, E * Q)
+    load = block.outs.get(3)
+    if load is not None:  # router losses, expert-bias updates and stats count whole experts: slice 0's counts
+        with graph.inserting_after(load):
+            load_E = emit(aten.narrow.default, load, 0, 0, E)
+        replace_load(gm, block, load_E)
+    info["num_experts"], info["slices"] = E * Q, Q

@@ -1,0 +1,206 @@
+"""Expert tensor parallelism (``parallel.etp``): experts cut along their FFN width over etp ranks.
+
+Oracles: the whole expert (a slice-expert sum must be it), and the same run at etp = 1 on the same
+ranks (data parallel): losses, gradient norms and expert loads step for step, a checkpoint that
+continues the run at another ep, and a Hugging Face export whose logits are the trained model's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moecompile as mc
+from moecompile.errors import PlanError
+from moecompile.expert_slices import cut_slices, join_slices
+
+from _dist import spawn
+
+GLOBAL_BATCH, SEQ, STEPS = 4, 16, 3
+EXPERTS = {"num_experts": 4, "top_k": 2, "aux_loss": "global_aux"}  # no router noise: runs share no RNG stream
+STATIC = {**EXPERTS, "capacity_factor": 1.0, "expert_bias": True, "expert_bias_rate": 0.01}
+
+
+# ---------------------------------------------------------------- slices, one process
+
+
+def _expert(x, w_in, w_out, glu):
+    h = x @ w_in.t()
+    h = F.silu(h[:, : h.shape[1] // 2]) * h[:, h.shape[1] // 2:] if glu else F.gelu(h)
+    return h @ w_out.t()
+
+
+@pytest.mark.parametrize("glu", [True, False])
+@pytest.mark.parametrize("Q", [2, 4])
+def test_an_experts_slices_add_up_to_it(glu, Q):
+    E, H, Fw = 3, 8, 16
+    g = torch.Generator().manual_seed(0)
+    w_in = torch.randn(E, (2 if glu else 1) * Fw, H, generator=g, dtype=torch.float64)
+    w_out, b_in = torch.randn(E, H, Fw, generator=g, dtype=torch.float64), torch.randn(E, w_in.shape[1], dtype=torch.float64)
+    x = torch.randn(5, H, generator=g, dtype=torch.float64)
+    s_in, s_out = cut_slices(w_in, "w_in", Q, glu), cut_slices(w_out, "w_out", Q, glu)
+    assert s_in.shape == (Q * E, w_in.shape[1] // Q, H) and s_out.shape == (Q * E, H, Fw // Q)
+    for e in range(E):
+        parts = sum(_expert(x, s_in[q * E + e], s_out[q * E + e], glu) for q in range(Q))
+        torch.testing.assert_close(parts, _expert(x, w_in[e], w_out[e], glu))
+    for key, t in (("w_in", w_in), ("w_out", w_out), ("b_in", b_in)):
+        assert torch.equal(join_slices(cut_slices(t, key, Q, glu), key, Q, glu), t)
+
+
+def test_etp_needs_its_ranks():
+    with pytest.raises(PlanError, match="parallel.etp=3.*must divide the world size 4"):
+        mc.distributed.check_ep(2, 4, etp=3)
+    with pytest.raises(PlanError, match="parallel.etp"):
+        mc.Plan.from_dict({"parallel": {"etp": 0}})
+    from moecompile.models import build_model
+
+    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=2, seq_len=8)
+    with pytest.raises(mc.errors.DistributedError, match=r"parallel.ep=1 x parallel.etp=2 needs 2"):
+        mc.convert(dense, {"experts": EXPERTS, "parallel": {"etp": 2}}, (ids,))
+
+
+# ---------------------------------------------------------------- training, 2 and 4 ranks
+
+
+def _step(plan: dict, batch: int):
+    from moecompile.models import build_model
+
+    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=batch, seq_len=SEQ)
+    result = mc.convert(dense, plan, (ids,))
+    step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3), clip_grad_norm=1.0)
+    return dense, result, step
+
+
+def _data():
+    from moecompile.data import ByteBatches, stdlib_bytes
+
+    return ByteBatches(stdlib_bytes(300_000), GLOBAL_BATCH, SEQ, seed=0)
+
+
+def _metrics(m) -> dict:
+    return {"loss": m.loss, "grad_norm": m.grad_norm, "load": m.expert_load}
+
+
+def _run(plan: dict, rank: int, world: int, steps: int, step=None) -> list[dict]:
+    stream, step = _data(), step or _step(plan, GLOBAL_BATCH // world)[2]
+    return [_metrics(step(stream.shard(i, rank, world))) for i in range(steps)]
+
+
+def two_rank_worker(rank: int, world: int, out: str) -> dict:
+    from moecompile.export_hf import export_hf
+
+    res = {"dp": _run({"experts": EXPERTS}, rank, world, STEPS + 1)}
+    dense, result, step = _step({"experts": EXPERTS, "parallel": {"etp": 2}}, GLOBAL_BATCH // world)
+    res["etp"] = _run({}, rank, world, STEPS, step)
+    res["shapes"] = {n: tuple(p.shape) for n, p in result.module.named_parameters() if ".experts." in n}
+    step.save(Path(out) / "ckpt")
+    stream = _data()
+    res["after"] = _metrics(step(stream.shard(STEPS, rank, world)))
+    export_hf(result, Path(out) / "hf", arch="mixtral", config=dense.config)
+    ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        res["logits"] = result.module(ids).logits
+    static = {"experts": STATIC, "parallel": {"dispatch_mode": "static"}}
+    res["static_dp"] = _run(static, rank, world, 2)
+    res["static_etp"] = _run({**static, "parallel": {"etp": 2, "dispatch_mode": "static", "dispatcher": "allgather"}},
+                             rank, world, 2)
+    return res
+
+
+def four_rank_worker(rank: int, world: int, ckpt: str) -> dict:
+    stream = _data()
+    res = {"dp": _run({"experts": EXPERTS}, rank, world, 2)}
+    res["ep2_etp2"] = _run({"experts": EXPERTS, "parallel": {"ep": 2, "etp": 2, "dispatcher": "allgather"}}, rank,
+                           world, 2)
+    _, result, step = _step({"experts": EXPERTS, "parallel": {"ep": 2, "etp": 2}}, GLOBAL_BATCH // world)
+    step.load(ckpt)  # written at ep = 1, etp = 2 on two ranks
+    res["resumed"] = _metrics(step(stream.shard(STEPS, rank, world)))
+    _, _, step = _step({"experts": EXPERTS, "parallel": {"ep": 4}}, GLOBAL_BATCH // world)
+    try:
+        step.load(ckpt)
+        res["etp1_load"] = "loaded"
+    except mc.errors.MoecompileError as e:
+        res["etp1_load"] = str(e)
+    return res
+
+
+@functools.lru_cache(maxsize=None)
+def two_ranks() -> tuple[Path, list[dict]]:
+    out = Path(tempfile.mkdtemp(prefix="moecompile-etp-"))
+    atexit.register(shutil.rmtree, out, True)
+    return out, spawn(two_rank_worker, 2, (str(out),), timeout=400)
+
+
+def _same_run(got: list[dict], want: list[dict], rel: float = 1e-5) -> None:
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g["loss"] == pytest.approx(w["loss"], rel=rel), (i, g, w)
+        assert g["grad_norm"] == pytest.approx(w["grad_norm"], rel=1e-4), (i, g, w)
+        assert g["load"] == w["load"], (i, g["load"], w["load"])
+
+
+@pytest.mark.distributed
+def test_etp2_trains_step_for_step_like_etp1():
+    _, ranks = two_ranks()
+    for r in ranks:
+        _same_run(r["etp"], r["dp"][:STEPS])
+        _same_run([r["after"]], r["dp"][STEPS:])
+        assert all(len(v) == 4 for v in r["etp"][0]["load"].values())  # whole experts, not slices
+    # each rank holds one width-half of all 4 experts: w_gate_up [4, 2F/2, H], w_down [4, H, F/2]
+    shapes = ranks[0]["shapes"]
+    w_in = next(s for n, s in shapes.items() if n.endswith("w_gate_up"))
+    w_out = next(s for n, s in shapes.items() if n.endswith("w_down"))
+    from moecompile.models import load_config
+
+    half = load_config("tiny-llama").intermediate_size // 2
+    assert w_in[0] == w_out[0] == 4 and w_in[1] == 2 * half and w_out[2] == half
+
+
+@pytest.mark.distributed
+def test_etp2_static_allgather_drops_the_tokens_etp1_drops():
+    _, ranks = two_ranks()
+    for r in ranks:
+        _same_run(r["static_etp"], r["static_dp"])
+
+
+@pytest.mark.distributed
+def test_an_etp2_model_exports_whole_experts():
+    from transformers import AutoModelForCausalLM
+
+    out, ranks = two_ranks()
+    hf = AutoModelForCausalLM.from_pretrained(out / "hf")
+    assert hf.config.num_local_experts == 4
+    ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, ranks[0]["logits"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.distributed
+def test_ep2_etp2_on_four_ranks_and_an_etp_checkpoint_at_another_ep():
+    out, ranks = two_ranks()
+    four = spawn(four_rank_worker, 4, (str(out / "ckpt"),), timeout=400)
+    for r in four:
+        _same_run(r["ep2_etp2"], r["dp"])
+        _same_run([r["resumed"]], ranks[0]["dp"][STEPS:])
+        assert "parallel.etp=2" in r["etp1_load"] and "parallel.etp=1" in r["etp1_load"], r["etp1_load"]
+
+
+@pytest.mark.parametrize("model,Q,error", [
+    ("tiny-gpt2", 2, "output bias cannot be sliced"),  # each slice would add the down projection's bias again
+    ("tiny-llama", 7, "parallel.etp=7 must divide each expert's FFN width"),
+])
+def test_experts_that_cannot_be_sliced_say_why(model, Q, error):
+    from moecompile.models import build_model
+    from moecompile.passes.ep_slices import slice_experts
+    from moecompile.passes.expert_parallel import find_blocks
+
+    dense, (ids,) = build_model(model, vocab_size=256, batch_size=2, seq_len=8)
+    result = mc.convert(dense, {"experts": EXPERTS}, (ids,))
+    with pytest.raises(ValueError, match=error):
+        slice_experts(result.module, find_blocks(result.module)[0], Q)
