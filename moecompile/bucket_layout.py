@@ -36,6 +36,8 @@ class ExpertTensor:
     num_experts: int  # E, global
     lo: int  # first global expert id held here
     hi: int  # one past the last
+    slices: int = 1  # parallel.etp: ids are slice-experts q*E/slices + e (moecompile.expert_slices)
+    glu: bool = False  # w_in / b_in hold gate rows then up rows
 
 
 def moe_blocks(gm: fx.GraphModule) -> dict[str, MoEInfo]:
@@ -55,7 +57,8 @@ def expert_parameters(gm: fx.GraphModule) -> dict[str, ExpertTensor]:
         lo, hi = info.get("expert_range", (0, info["num_experts"]))
         for key in EXPERT_KEYS:
             if key in info["params"]:
-                out[info["params"][key]] = ExpertTensor(layer, key, info["num_experts"], int(lo), int(hi))
+                out[info["params"][key]] = ExpertTensor(layer, key, info["num_experts"], int(lo), int(hi),
+                                                        info.get("slices", 1), bool(info.get("glu", False)))
     return out
 
 

@@ -1,7 +1,7 @@
 """Checkpoints of a training step with ``torch.distributed.checkpoint``, portable across ``ep``.
 
     step.save("ckpt")     # every rank calls it; each writes its own experts
-    step.load("ckpt")     # at any ep that divides num_experts (1, 2, 4, ...)
+    step.load("ckpt")     # at any ep that divides num_experts (1, 2, 4, ...), any etp
 
 Layout (keys of the DCP state dict)::
 
@@ -17,7 +17,9 @@ exactly those ``#e`` keys, which is what makes an ep=2 checkpoint load at ep=1 o
 Under ``parallel.shard_optimizer`` a rank holds a range of each trainable tensor's master and
 optimizer state; it writes and reads that range as chunks of the same keys, in the same shapes
 (moecompile.checkpoint_shards), so sharded and unsharded runs at any size load each other's
-checkpoints, and each tensor's CRC-32 is combined from its ranks' parts.
+checkpoints, and each tensor's CRC-32 is combined from its ranks' parts. Under ``parallel.etp`` a
+rank holds slice q of some experts (moecompile.expert_slices); it writes them as the boxes they
+cover in the same whole-expert keys, so a checkpoint loads at any ep and etp.
 
 Crash safety: a save goes to ``<path>.tmp``; only a complete one is renamed over ``<path>``
 (the previous checkpoint is moved to ``<path>.prev`` for that instant, and ``load`` falls back
@@ -40,9 +42,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-from .checkpoint_shards import chunk_crcs, combine, quiet_sharded_tensor, sharded
+from .checkpoint_shards import boxes, chunk_crcs, chunked, combine, quiet_sharded_tensor, sharded
 from .errors import MoecompileError
 from .bucket_layout import expert_parameters
+from .expert_slices import WIDTH_DIM, whole_boxes, whole_shape
 from .grad_sync import Shard
 
 log = logging.getLogger(__name__)
@@ -68,7 +71,11 @@ def _rank(step: Any) -> int:
 def _split(prefix: str, name: str, t: torch.Tensor, shard: Any) -> dict[str, torch.Tensor]:
     if shard is None or t.dim() == 0 or t.shape[0] != shard.hi - shard.lo:
         return {f"{prefix}{name}": t}
-    return {f"{prefix}{name}#{shard.lo + i}": t[i] for i in range(t.shape[0])}
+    if shard.slices == 1:
+        return {f"{prefix}{name}#{shard.lo + i}": t[i] for i in range(t.shape[0])}
+    row = tuple(t.shape[1:])  # slices of experts: boxes of views of t, which a load fills in place
+    return dict(_expert_entry(prefix, name, shard, i, t[i].view(-1), row, [(0, math.prod(row))], 0)
+                for i in range(t.shape[0]))
 
 
 def _entries(prefix: str, name: str, t: torch.Tensor, part: Shard, experts: Any) -> dict[str, torch.Tensor]:
@@ -85,10 +92,35 @@ def _entries(prefix: str, name: str, t: torch.Tensor, part: Shard, experts: Any)
         lo, hi = parts[part.rank]
         if lo == hi:
             continue
-        values = flat[i * per + lo - part.lo : i * per + hi - part.lo]
-        key = f"{prefix}{name}#{experts.lo + i}"
-        out[key] = values.view(shape[1:]) if hi - lo == per else sharded(values, shape[1:], parts, part.rank)
+        key, value = _expert_entry(prefix, name, experts, i, flat[i * per + lo - part.lo : i * per + hi - part.lo],
+                                   shape[1:], parts, part.rank)
+        out[key] = value
     return out
+
+
+def _expert_entry(prefix: str, name: str, shard: Any, i: int, values: torch.Tensor, row: tuple[int, ...],
+                  parts: list[tuple[int, int]], me: int) -> tuple[str, torch.Tensor]:
+    """Local expert row ``i``'s entry ``<name>#<e>`` (whole expert e, global id) of which this rank holds elements
+    ``parts[me]`` of the row (flattened in ``values``; every rank's range in ``parts``). Under ``parallel.etp``
+    the row is slice q of expert e and is written as the boxes it covers in the whole expert, so the checkpoint
+    loads at any etp (torch.distributed.checkpoint reshards boxes)."""
+    j, (lo, hi) = shard.lo + i, parts[me]
+    if shard.slices == 1:
+        whole = hi - lo == math.prod(row)
+        return f"{prefix}{name}#{j}", values.view(row) if whole else sharded(values, row, parts, me)
+    Q, d = shard.slices, WIDTH_DIM[shard.key] - 1
+    q, e = divmod(j, shard.num_experts // Q)
+    local, everyone = [], []
+    for qq in range(Q):  # every slice's boxes describe the whole expert; this rank's are its data
+        for k, (a, b) in enumerate(parts):
+            for off, size, start in boxes(row, a, b):
+                mine = (qq, k) == (q, me)
+                box = values[start - lo : start - lo + math.prod(size)].view(size) if mine else None
+                for w_off, w_size, s_off in whole_boxes(shard.key, qq, Q, shard.glu, row, off, size):
+                    everyone.append((w_off, w_size, qq * len(parts) + k))
+                    if mine:
+                        local.append((w_off, box.narrow(d, s_off[d] - off[d], w_size[d])))
+    return f"{prefix}{name}#{e}", chunked(whole_shape(shard.key, Q, row), local, everyone, values)
 
 
 def _ensure_optimizer_state(step: Any) -> None:
@@ -317,11 +349,6 @@ def load(step: Any, path: str | Path) -> None:
 
     root = _resolve(Path(path))
     meta = read_meta(root)
-    saved_etp, etp = int(meta.get("plan", {}).get("parallel", {}).get("etp", 1)), step.plan.parallel.etp
-    if saved_etp != etp:  # its expert tensors are slices of another width: no key would match
-        raise CheckpointError(f"{root} was written at parallel.etp={saved_etp} (experts cut into {saved_etp} slices) "
-                              f"and this step has parallel.etp={etp}: load it with parallel.etp: {saved_etp} (at any ep); "
-                              "a checkpoint does not change etp")
     if any(k.startswith("optim/") for k in meta["crc32"]):
         _ensure_optimizer_state(step)
     sd = state_dict(step)

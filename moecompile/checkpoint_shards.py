@@ -16,6 +16,7 @@ checksum of the whole tensor is the CRC-32s of the boxes combined in order
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import warnings
 import zlib
@@ -61,20 +62,29 @@ def sharded(values: torch.Tensor, shape: Sequence[int], parts: Sequence[tuple[in
 
     ``parts`` holds every rank's range (they tile the tensor), which the metadata describes.
     """
-    device = values.device
     lo = parts[me][0]
     local, everyone = [], []
     for k, (a, b) in enumerate(parts):
         for off, size, start in boxes(shape, a, b):
-            md = ShardMetadata(shard_offsets=list(off), shard_sizes=list(size), placement=f"rank:{k}/{device}")
-            everyone.append(md)
+            everyone.append((off, size, k))
             if k == me:
-                local.append(Shard(values[start - lo : start - lo + math.prod(size)].view(size), md))
-    props = TensorProperties(dtype=values.dtype, layout=torch.strided, requires_grad=False, memory_format=torch.contiguous_format,
+                local.append((off, values[start - lo : start - lo + math.prod(size)].view(size)))
+    return chunked(shape, local, everyone, values)
+
+
+def chunked(shape: Sequence[int], local: Sequence[tuple[Sequence[int], torch.Tensor]],
+            everyone: Sequence[tuple[Sequence[int], Sequence[int], int]], like: torch.Tensor) -> ShardedTensor:
+    """A tensor of ``shape`` as the boxes ``everyone`` (offsets, sizes, owner) that tile it, of which this rank
+    holds ``local`` (offsets, data): the container DCP writes chunks from and reads chunks into, in place."""
+    device = like.device
+    mds = {(tuple(off), tuple(size)): ShardMetadata(shard_offsets=list(off), shard_sizes=list(size),
+                                                    placement=f"rank:{k}/{device}") for off, size, k in everyone}
+    shards = [Shard(data, mds[(tuple(off), tuple(data.shape))]) for off, data in local]
+    props = TensorProperties(dtype=like.dtype, layout=torch.strided, requires_grad=False, memory_format=torch.contiguous_format,
                              pin_memory=False)
-    meta = ShardedTensorMetadata(shards_metadata=everyone, size=torch.Size(shape), tensor_properties=props)
+    meta = ShardedTensorMetadata(shards_metadata=list(mds.values()), size=torch.Size(shape), tensor_properties=props)
     with quiet_sharded_tensor():
-        out = ShardedTensorBase._init_from_local_shards_and_global_metadata(local, meta)
+        out = ShardedTensorBase._init_from_local_shards_and_global_metadata(shards, meta)
     out._process_group = None  # a container of chunks for DCP; no sharded ops run on it
     return out
 
@@ -94,11 +104,25 @@ def chunk_crcs(t: torch.Tensor) -> list[tuple[int, int, int]]:
         with quiet_sharded_tensor():
             shards, shape = t.local_shards(), t.metadata().size
         for shard in shards:
-            start = _flat_start(shard.metadata.shard_offsets, shape)
-            data = shard.tensor
-            out.append((start * data.element_size(), data.numel() * data.element_size(), crc32(data)))
+            out += _runs(shard.metadata.shard_offsets, shard.tensor, shape)
         return out
     return [(0, t.numel() * t.element_size(), crc32(t))]
+
+
+def _runs(offsets: Sequence[int], data: torch.Tensor, shape: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first byte, bytes, CRC-32) of the contiguous runs of a box of a tensor of ``shape``: one for a box of whole
+    trailing dims, one per leading index where an inner dim is cut (an expert slice's columns)."""
+    sizes = tuple(data.shape)
+    k = len(shape)
+    while k > 0 and sizes[k - 1] == shape[k - 1]:  # dims k.. are whole
+        k -= 1
+    lead = max(k - 1, 0)  # dims before ``lead`` index the runs; a run is data[idx] (dims lead..)
+    out = []
+    for idx in itertools.product(*(range(n) for n in sizes[:lead])):
+        run = data[idx] if idx else data
+        start = _flat_start([o + i for o, i in zip(offsets, idx)] + list(offsets[lead:]), shape)
+        out.append((start * data.element_size(), run.numel() * data.element_size(), crc32(run)))
+    return out
 
 
 def _flat_start(offsets: Sequence[int], shape: Sequence[int]) -> int:

@@ -41,3 +41,28 @@ def join_slices(t: torch.Tensor, key: str, Q: int, glu: bool) -> torch.Tensor:
 def whole_experts(info: dict) -> int:
     """E of an MoE block's info: its experts before any slicing."""
     return info["num_experts"] // info.get("slices", 1)
+
+
+def whole_boxes(key: str, q: int, Q: int, glu: bool, sub_shape: tuple[int, ...], offsets: tuple[int, ...],
+                sizes: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """A box of slice q of one expert (``offsets``/``sizes`` in the slice's own ``sub_shape``, no expert dim) as
+    boxes of the whole expert: (whole offsets, sizes, offsets in the slice). Two where it spans a glu's gate and
+    up halves, which sit F apart in the whole expert."""
+    d = WIDTH_DIM[key] - 1
+    halves = 2 if glu and key in ("w_in", "b_in") else 1
+    part = sub_shape[d] // halves  # F/Q: one half's width in the slice
+    out = []
+    for h in range(halves):
+        lo, hi = max(offsets[d], h * part), min(offsets[d] + sizes[d], (h + 1) * part)
+        if lo >= hi:
+            continue
+        whole, size, sub = list(offsets), list(sizes), list(offsets)
+        whole[d], size[d], sub[d] = h * part * Q + q * part + (lo - h * part), hi - lo, lo
+        out.append((tuple(whole), tuple(size), tuple(sub)))
+    return out
+
+
+def whole_shape(key: str, Q: int, sub_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """One whole expert's shape from one slice's (no expert dim)."""
+    d = WIDTH_DIM[key] - 1
+    return (*sub_shape[:d], sub_shape[d] * Q, *sub_shape[d + 1:])

@@ -72,8 +72,9 @@ def slice_experts(gm: fx.GraphModule, block: Block, Q: int) -> None:
     permute.update_arg(1, idx_Q)
     permute.update_arg(3, E * Q)
     load = block.outs.get(3)
-    if load is not None:  # router losses, expert-bias updates and stats count whole experts: slice 0's counts
-        with graph.inserting_after(load):
-            load_E = emit(aten.narrow.default, load, 0, 0, E)
+    if load is not None and load.users:  # router losses, bias updates and stats count whole experts: slice 0's
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        with graph.inserting_before(min(load.users, key=order.__getitem__)):  # where the load was first read
+            load_E = emit(aten.narrow.default, load, 0, 0, E)  # (overlap's chunks re-sum it before that)
         replace_load(gm, block, load_E)
     info["num_experts"], info["slices"] = E * Q, Q

@@ -101,12 +101,17 @@ def two_rank_worker(rank: int, world: int, out: str) -> dict:
     res["etp"] = _run({}, rank, world, STEPS, step)
     res["shapes"] = {n: tuple(p.shape) for n, p in result.module.named_parameters() if ".experts." in n}
     step.save(Path(out) / "ckpt")
-    stream = _data()
-    res["after"] = _metrics(step(stream.shard(STEPS, rank, world)))
-    export_hf(result, Path(out) / "hf", arch="mixtral", config=dense.config)
+    export_hf(result, Path(out) / "hf", arch="mixtral", config=dense.config)  # the checkpoint's weights
     ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         res["logits"] = result.module(ids).logits
+    res["after"] = _metrics(step(_data().shard(STEPS, rank, world)))
+    aux = {**EXPERTS, "aux_loss": "aux"}  # global_aux's load exchange keeps overlap from chunking the layer
+    res["aux_dp"] = _run({"experts": aux}, rank, world, STEPS)
+    _, result, step = _step({"experts": aux, "parallel": {"etp": 2}, "overlap": {"enabled": True, "chunks": 2}},
+                            GLOBAL_BATCH // world)
+    res["aux_overlap"] = _run({}, rank, world, STEPS, step)
+    res["chunks"] = {n.meta["moe"]["chunk"] for n in result.module.graph.nodes if "chunk" in n.meta.get("moe", {})}
     static = {"experts": STATIC, "parallel": {"dispatch_mode": "static"}}
     res["static_dp"] = _run(static, rank, world, 2)
     res["static_etp"] = _run({**static, "parallel": {"etp": 2, "dispatch_mode": "static", "dispatcher": "allgather"}},
@@ -123,11 +128,29 @@ def four_rank_worker(rank: int, world: int, ckpt: str) -> dict:
     step.load(ckpt)  # written at ep = 1, etp = 2 on two ranks
     res["resumed"] = _metrics(step(stream.shard(STEPS, rank, world)))
     _, _, step = _step({"experts": EXPERTS, "parallel": {"ep": 4}}, GLOBAL_BATCH // world)
-    try:
-        step.load(ckpt)
-        res["etp1_load"] = "loaded"
-    except mc.errors.MoecompileError as e:
-        res["etp1_load"] = str(e)
+    step.load(ckpt)  # etp = 1: whole experts from the slices
+    res["resumed_etp1"] = _metrics(step(stream.shard(STEPS, rank, world)))
+    _, _, step = _step({"experts": EXPERTS, "parallel": {"ep": 1, "etp": 4, "shard_optimizer": True}},
+                       GLOBAL_BATCH // world)
+    step.load(ckpt)  # four slices from two, the optimizer state in ranges
+    res["resumed_etp4"] = _metrics(step(stream.shard(STEPS, rank, world)))
+    return res
+
+
+def etp1_worker(rank: int, world: int, out: str) -> dict:
+    """The etp = 2 checkpoint through other layouts: re-saved at etp = 2 with the optimizer in ranges (slices of
+    ranges), loaded at etp = 1 and saved there, loaded at etp = 2 again; each load then takes the next step."""
+    stream, out = _data(), Path(out)
+    _, _, step = _step({"experts": EXPERTS, "parallel": {"etp": 2, "shard_optimizer": True}}, GLOBAL_BATCH // world)
+    step.load(out / "ckpt")
+    step.save(out / "ckpt-etp2-zero")
+    _, _, step = _step({"experts": EXPERTS}, GLOBAL_BATCH // world)
+    step.load(out / "ckpt-etp2-zero")
+    step.save(out / "ckpt-etp1")
+    res = {"etp1": _metrics(step(stream.shard(STEPS, rank, world)))}
+    _, _, step = _step({"experts": EXPERTS, "parallel": {"etp": 2}}, GLOBAL_BATCH // world)
+    step.load(out / "ckpt-etp1")
+    res["etp2"] = _metrics(step(stream.shard(STEPS, rank, world)))
     return res
 
 
@@ -163,6 +186,14 @@ def test_etp2_trains_step_for_step_like_etp1():
 
 
 @pytest.mark.distributed
+def test_etp2_overlapped_in_chunks_trains_like_etp1():
+    _, ranks = two_ranks()
+    for r in ranks:
+        assert r["chunks"] == {0, 1}
+        _same_run(r["aux_overlap"], r["aux_dp"])
+
+
+@pytest.mark.distributed
 def test_etp2_static_allgather_drops_the_tokens_etp1_drops():
     _, ranks = two_ranks()
     for r in ranks:
@@ -182,13 +213,38 @@ def test_an_etp2_model_exports_whole_experts():
 
 
 @pytest.mark.distributed
-def test_ep2_etp2_on_four_ranks_and_an_etp_checkpoint_at_another_ep():
+def test_an_etp2_checkpoint_holds_whole_experts_as_export_writes_them():
+    """Loaded in one process (etp = 1), the checkpoint's experts are the exported ones, not a permutation of
+    their hidden units (which would train the same, but not read as the model it is)."""
+    from transformers import AutoModelForCausalLM
+
+    out, _ = two_ranks()
+    hf = AutoModelForCausalLM.from_pretrained(out / "hf")
+    _, result, step = _step({"experts": EXPERTS}, GLOBAL_BATCH)
+    step.load(out / "ckpt")
+    params = dict(result.module.named_parameters())
+    for i, layer in enumerate(hf.model.layers):
+        assert torch.equal(params[f"model.layers.{i}.mlp.experts.w_gate_up"], layer.mlp.experts.gate_up_proj)
+        assert torch.equal(params[f"model.layers.{i}.mlp.experts.w_down"], layer.mlp.experts.down_proj)
+
+
+@pytest.mark.distributed
+def test_ep2_etp2_on_four_ranks_and_an_etp2_checkpoint_at_other_layouts():
     out, ranks = two_ranks()
     four = spawn(four_rank_worker, 4, (str(out / "ckpt"),), timeout=400)
     for r in four:
         _same_run(r["ep2_etp2"], r["dp"])
-        _same_run([r["resumed"]], ranks[0]["dp"][STEPS:])
-        assert "parallel.etp=2" in r["etp1_load"] and "parallel.etp=1" in r["etp1_load"], r["etp1_load"]
+        for resumed in ("resumed", "resumed_etp1", "resumed_etp4"):
+            _same_run([r[resumed]], ranks[0]["dp"][STEPS:])
+
+
+@pytest.mark.distributed
+def test_checkpoints_move_between_etp_and_the_sharded_optimizer():
+    out, ranks = two_ranks()
+    back = spawn(etp1_worker, 2, (str(out),), timeout=300)
+    for r in back:
+        _same_run([r["etp1"]], ranks[0]["dp"][STEPS:])
+        _same_run([r["etp2"]], ranks[0]["dp"][STEPS:])
 
 
 @pytest.mark.parametrize("model,Q,error", [
