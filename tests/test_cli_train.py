@@ -89,6 +89,7 @@ def test_a_micro_batch_that_does_not_divide_the_rank_batch_is_a_clean_error(tmp_
 
 @pytest.mark.parametrize("args, words", [
     (["--set", "parallel.ep=4"], "'parallel.ep' = 4: must divide the world size 2"),
+    (["--set", "parallel.etp=3"], "times parallel.etp=3 (3 ranks hold one layer's expert slices) must divide"),
     (["--set", "recompute.modules=moe"], "must be list (a list is written [moe]"),
     (["--batch", "7"], "--batch 7 must be a multiple of the 2 ranks"),
     (["--model", "tiny-phi3", "--export-hf", "hf"], "no Hugging Face MoE architecture takes a 'phi3' model"),
@@ -105,6 +106,17 @@ def test_what_the_arguments_decide_fails_once_before_any_rank_starts(tmp_path, c
     assert cli.main(["train", "--nproc", "2", "--steps", "1", "--out", str(tmp_path), *args]) == 2
     err = capsys.readouterr().err
     assert words in err and err.count("moecompile train:") == 1, err
+
+
+@pytest.mark.parametrize("sets, ep", [([], 4), (["parallel.etp=2"], 2), (["parallel.etp=4"], 1),
+                                      (["parallel.etp=2", "parallel.ep=1"], 1)])
+def test_ep_defaults_to_the_ranks_etp_leaves(tmp_path, sets, ep):
+    from moecompile.cli import build_parser
+    from moecompile.commands.train import preflight
+
+    args = build_parser().parse_args(["train", "--nproc", "4", "--out", str(tmp_path),
+                                      *[a for s in sets for a in ("--set", s)]])
+    assert preflight(args, 4).plan.parallel.ep == ep
 
 
 @pytest.mark.parametrize("choice, gpus, env, want", [

@@ -265,8 +265,10 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
         adopted = bool(s.result.record("import_moe").data.get("layers"))
         how = "its own MoE layers: " if adopted else "-> "
         groups = f" within {e.route_group_top_k} of {e.route_groups} groups" if e.route_groups > 1 else ""
+        par = s.plan.parallel
+        layout = f"ep={par.ep}" + (f" x etp={par.etp}" if par.etp > 1 else "")
         print(f"moecompile train: {source} {how}{e.num_experts} experts top-{e.top_k}{groups}"
-              f"{'' if adopted else f' (G={e.granularity})'}, ep={s.plan.parallel.ep} over {world_size} rank(s) "
+              f"{'' if adopted else f' (G={e.granularity})'}, {layout} over {world_size} rank(s) "
               f"({s.plan.parallel.dispatcher}, {s.plan.parallel.dispatch_mode}) on {s.step.device.type}; "
               f"{n_params:,} parameters on this rank; "
               f"batch {args.batch} x {args.seq} bytes of {len(text):,} bytes of text"
