@@ -1,17 +1,21 @@
 """Expert-parallel communication on gloo (CPU): bytes each rank sends per step, and time share.
 
-    python benchmarks/ep_comm.py                       # ep = 2 and 4, both dispatchers, dropless + static
+    python benchmarks/ep_comm.py                       # 2 and 4 ranks, both dispatchers, dropless + static
     python benchmarks/ep_comm.py --eps 2 --tokens 4096 --hidden 256
+    python benchmarks/ep_comm.py --eps 2 4 --etps 1 2 --modes dropless   # the same ranks as ep or as ep x etp
 
-Each ep runs in its own spawned world of ep ranks (world = ep). A model of MoE layers only (residual
-GLU FFNs upcycled to E experts, top-k) is converted with the plan; every collective the step runs,
-forward and backward (torch's autograd replays them transposed), is intercepted by a dispatch mode
-that counts the bytes leaving the rank and the wall time spent inside the collective (start + wait).
+Each rank count runs in its own spawned world (world = ep x etp; etp = 1 unless --etps). A model of
+MoE layers only (residual GLU FFNs upcycled to E experts, top-k) is converted with the plan; every
+collective the step runs, forward and backward (torch's autograd replays them transposed), is
+intercepted by a dispatch mode that counts the bytes leaving the rank and the wall time spent inside
+the collective (start + wait).
 
     ideal     = tokens x k x hidden x dtype bytes x 2 directions per MoE layer, forward; the backward
                 moves the same again, so a step's ideal is 2x that x layers
     off-rank  = the part of the ideal that must leave the rank: (ep-1)/ep of the copies under uniform
-                routing (copies routed to the rank's own experts stay)
+                routing (copies routed to the rank's own experts stay); under etp each copy goes to the etp
+                ranks holding its expert's slices, as Megatron-Core's all-gather inside the ETP group does,
+                so the ideal is etp x that: (P-1)/P x etp with P = ep x etp ranks
     sent      = bytes handed to other ranks, forward + backward, counted at every collective
     comm %    = time inside collectives (start + wait, i.e. exposed) / step time (forward + backward)
 
@@ -87,49 +91,51 @@ class CommMeter(TorchDispatchMode):
         return nbytes * (self.n - 1) // self.n  # reduce-scatter: every chunk but ours leaves
 
 
-def worker(rank: int, ep: int, port: int, cfg: dict, out: Any) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ep))
+def worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     import moecompile as mc
 
     results = []
     first = None
-    for dispatcher in cfg["dispatchers"]:
-        for mode in cfg["modes"]:
-            parallel = {"ep": ep, "dispatcher": dispatcher, "dispatch_mode": mode}
-            if mode == "static":
-                parallel["capacity_factor"] = cfg["capacity_factor"]
-            plan = mc.Plan.from_dict({"experts": {"num_experts": cfg["experts"], "top_k": cfg["top_k"],
-                                                  "router_noise": 0.1}, "parallel": parallel})
-            if first is None:
-                first = mc.distributed.init(plan, backend="gloo", rank=rank, world_size=ep,
-                                            init_method=f"tcp://127.0.0.1:{port}")
-            torch.manual_seed(0)
-            model = MoEStack(cfg["hidden"], cfg["ffn"], cfg["layers"])
-            x = torch.randn(cfg["tokens"] // cfg["seq"], cfg["seq"], cfg["hidden"], generator=torch.Generator().manual_seed(rank))
-            result = mc.convert(model, plan, (x,))
-            for _ in range(cfg["warmup"]):
+    etps = [t for t in cfg["etps"] if world % t == 0 and cfg["experts"] % (world // t) == 0]
+    for etp, dispatcher, mode in [(t, d, m) for t in etps for d in cfg["dispatchers"] for m in cfg["modes"]]:
+        ep = world // etp
+        parallel = {"ep": ep, "etp": etp, "dispatcher": dispatcher, "dispatch_mode": mode}
+        if mode == "static":
+            parallel["capacity_factor"] = cfg["capacity_factor"]
+        plan = mc.Plan.from_dict({"experts": {"num_experts": cfg["experts"], "top_k": cfg["top_k"],
+                                              "router_noise": 0.1}, "parallel": parallel})
+        if first is None:
+            first = mc.distributed.init(plan, backend="gloo", rank=rank, world_size=world,
+                                        init_method=f"tcp://127.0.0.1:{port}")
+        torch.manual_seed(0)
+        model = MoEStack(cfg["hidden"], cfg["ffn"], cfg["layers"])
+        x = torch.randn(cfg["tokens"] // cfg["seq"], cfg["seq"], cfg["hidden"], generator=torch.Generator().manual_seed(rank))
+        result = mc.convert(model, plan, (x,))
+        for _ in range(cfg["warmup"]):
+            result.module(x).square().mean().backward()
+        meter = CommMeter(rank, world)
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        with meter:
+            for _ in range(cfg["steps"]):
                 result.module(x).square().mean().backward()
-            meter = CommMeter(rank, ep)
-            torch.distributed.barrier()
-            start = time.perf_counter()
-            with meter:
-                for _ in range(cfg["steps"]):
-                    result.module(x).square().mean().backward()
-            step_s = (time.perf_counter() - start) / cfg["steps"]
-            results.append({"ep": ep, "dispatcher": dispatcher, "mode": mode, "bytes": meter.bytes_sent / cfg["steps"],
-                            "comm_s": meter.seconds / cfg["steps"], "step_s": step_s})
-    gathered = [None] * ep
+        step_s = (time.perf_counter() - start) / cfg["steps"]
+        results.append({"ep": ep, "etp": etp, "dispatcher": dispatcher, "mode": mode,
+                        "bytes": meter.bytes_sent / cfg["steps"],
+                        "comm_s": meter.seconds / cfg["steps"], "step_s": step_s})
+    gathered = [None] * world
     torch.distributed.all_gather_object(gathered, results)
     if rank == 0:
         out.put(gathered)
     torch.distributed.destroy_process_group()
 
 
-def run_ep(ep: int, cfg: dict) -> list[list[dict]]:
+def run_ep(world: int, cfg: dict) -> list[list[dict]]:
     ctx = torch.multiprocessing.get_context("spawn")
     out = ctx.Queue()
     port = free_port()  # one rendezvous for all the ranks
-    procs = [ctx.Process(target=worker, args=(r, ep, port, cfg, out)) for r in range(ep)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, cfg, out)) for r in range(world)]
     for p in procs:
         p.start()
     gathered = out.get(timeout=cfg["timeout"])
@@ -140,7 +146,8 @@ def run_ep(ep: int, cfg: dict) -> list[list[dict]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description="bytes and time of expert-parallel communication on gloo")
-    p.add_argument("--eps", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--eps", type=int, nargs="+", default=[2, 4], help="ranks: ep x etp")
+    p.add_argument("--etps", type=int, nargs="+", default=[1], help="etp values tried at each rank count")
     p.add_argument("--dispatchers", nargs="+", default=["alltoall", "allgather"])
     p.add_argument("--modes", nargs="+", default=["dropless", "static"])
     p.add_argument("--tokens", type=int, default=2048, help="tokens per rank per step")
@@ -160,21 +167,21 @@ def main() -> None:
     print(f"tokens/rank {args.tokens}, hidden {args.hidden}, ffn {args.ffn}, E {args.experts}, k {args.top_k}, "
           f"{args.layers} MoE layers, fp32; ideal per step = (T*k*H*4 B*2 directions)*layers*2 (fwd+bwd) "
           f"= {ideal / 2**20:.2f} MiB per rank")
-    header = (f"{'ep':>3} {'dispatcher':>10} {'mode':>9} {'sent MiB/step':>14} {'sent/ideal':>10} "
+    header = (f"{'ranks':>5} {'ep':>3} {'etp':>3} {'dispatcher':>10} {'mode':>9} {'sent MiB/step':>14} {'sent/ideal':>10} "
               f"{'sent/off-rank ideal':>20} {'comm ms':>8} {'step ms':>8} {'comm %':>7}")
     print(header)
     print("-" * len(header))
-    for ep in args.eps:
-        gathered = run_ep(ep, cfg)
+    for ranks in args.eps:
+        gathered = run_ep(ranks, cfg)
         for i, row in enumerate(gathered[0]):
             per_rank = [g[i] for g in gathered]
-            sent = sum(r["bytes"] for r in per_rank) / ep
-            comm = sum(r["comm_s"] for r in per_rank) / ep
+            sent = sum(r["bytes"] for r in per_rank) / ranks
+            comm = sum(r["comm_s"] for r in per_rank) / ranks
             step = max(r["step_s"] for r in per_rank)
-            off_rank_ideal = ideal * (ep - 1) / ep  # uniform routing: (ep-1)/ep of the copies leave the rank
-            print(f"{ep:>3} {row['dispatcher']:>10} {row['mode']:>9} {sent / 2**20:>14.2f} {sent / ideal:>10.2f} "
-                  f"{sent / off_rank_ideal:>20.2f} {comm * 1e3:>8.1f} {step * 1e3:>8.1f} {100 * comm / step:>6.1f}%",
-                  flush=True)
+            off_rank_ideal = ideal * (ranks - 1) / ranks * row["etp"]  # uniform routing; etp copies of each
+            print(f"{ranks:>5} {row['ep']:>3} {row['etp']:>3} {row['dispatcher']:>10} {row['mode']:>9} "
+                  f"{sent / 2**20:>14.2f} {sent / ideal:>10.2f} {sent / off_rank_ideal:>20.2f} {comm * 1e3:>8.1f} "
+                  f"{step * 1e3:>8.1f} {100 * comm / step:>6.1f}%", flush=True)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ from moecompile.meta import Role
 from .expert_parallel import Block, replace_load
 
 aten = torch.ops.aten
+
+
 def slice_experts(gm: fx.GraphModule, block: Block, Q: int) -> None:
     """Rewrite ``block`` into E*Q slice-experts (see the module doc); raises ValueError where it cannot."""
     info, E = block.info, block.info["num_experts"]
@@ -49,12 +51,14 @@ def slice_experts(gm: fx.GraphModule, block: Block, Q: int) -> None:
         p = owner._parameters[leaf]
         width = p.shape[WIDTH_DIM[key]] // (2 if info["glu"] and key in ("w_in", "b_in") else 1)
         if width % Q:
+            fits = [d for d in range(1, width + 1) if width % d == 0][:8]
             raise ValueError(f"{block.layer}: parallel.etp={Q} must divide each expert's FFN width {width} ({name} "
-                             f"is {list(p.shape)}); choose etp among {[d for d in range(1, width + 1) if width % d == 0][:8]}")
-        owner._parameters[leaf] = nn.Parameter(cut_slices(p.detach(), key, Q, info["glu"]), requires_grad=p.requires_grad)
+                             f"is {list(p.shape)}); choose etp among {fits}")
+        sliced = cut_slices(p.detach(), key, Q, info["glu"])
+        owner._parameters[leaf] = nn.Parameter(sliced, requires_grad=p.requires_grad)
 
     permute, graph = block.permute, gm.graph
-    _x, idx_TK, w_TK = permute.args[:3]
+    idx_TK, w_TK = permute.args[1:3]
     stamp = {k: permute.meta[k] for k in ("nn_module_stack", "stack_trace") if k in permute.meta}
 
     def emit(target, *args) -> fx.Node:

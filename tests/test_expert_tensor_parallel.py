@@ -43,7 +43,8 @@ def test_an_experts_slices_add_up_to_it(glu, Q):
     E, H, Fw = 3, 8, 16
     g = torch.Generator().manual_seed(0)
     w_in = torch.randn(E, (2 if glu else 1) * Fw, H, generator=g, dtype=torch.float64)
-    w_out, b_in = torch.randn(E, H, Fw, generator=g, dtype=torch.float64), torch.randn(E, w_in.shape[1], dtype=torch.float64)
+    w_out = torch.randn(E, H, Fw, generator=g, dtype=torch.float64)
+    b_in = torch.randn(E, w_in.shape[1], generator=g, dtype=torch.float64)
     x = torch.randn(5, H, generator=g, dtype=torch.float64)
     s_in, s_out = cut_slices(w_in, "w_in", Q, glu), cut_slices(w_out, "w_out", Q, glu)
     assert s_in.shape == (Q * E, w_in.shape[1] // Q, H) and s_out.shape == (Q * E, H, Fw // Q)
