@@ -184,7 +184,7 @@ def build_world(ep: int = 1, timeout_s: float = 300.0, etp: int = 1) -> World:
     parallel size ``etp``: the ep group spans ``ep * etp`` ranks (``World.ep``), which hold the experts' slices.
 
     Every rank must call it with the same arguments, as with ``dist.new_group``. Raises a
-    ``PlanError`` naming both numbers, before any group exists, when ``ep`` doesn't divide the world.
+    ``PlanError`` naming the numbers, before any group exists, when ``ep * etp`` doesn't divide the world.
     """
     if not dist.is_initialized():
         raise DistributedError(
