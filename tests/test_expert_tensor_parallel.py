@@ -70,10 +70,10 @@ def test_etp_needs_its_ranks():
 # ---------------------------------------------------------------- training, 2 and 4 ranks
 
 
-def _step(plan: dict, batch: int):
+def _step(plan: dict, batch: int, model: str = "tiny-llama"):
     from moecompile.models import build_model
 
-    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=batch, seq_len=SEQ)
+    dense, (ids,) = build_model(model, vocab_size=256, batch_size=batch, seq_len=SEQ)
     result = mc.convert(dense, plan, (ids,))
     step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3), clip_grad_norm=1.0)
     return dense, result, step
@@ -246,6 +246,23 @@ def test_checkpoints_move_between_etp_and_the_sharded_optimizer():
     for r in back:
         _same_run([r["etp1"]], ranks[0]["dp"][STEPS:])
         _same_run([r["etp2"]], ranks[0]["dp"][STEPS:])
+
+
+def adopted_worker(rank: int, world: int, model: str) -> dict:
+    from moecompile.models import load_config, own_experts
+
+    experts = own_experts(load_config(model))
+    steps = {etp: _step({"experts": experts, "parallel": {"etp": etp}}, GLOBAL_BATCH // world, model)[2]
+             for etp in (1, 2)}
+    return {etp: _run({}, rank, world, 2, step) for etp, step in steps.items()}
+
+
+@pytest.mark.distributed
+def test_an_adopted_deepseek_v3_block_slices_too():
+    """Sigmoid scores, route groups, a selection bias, a scale and a shared expert: routing is untouched, so only
+    the routed experts are cut."""
+    for r in spawn(adopted_worker, 2, ("tiny-deepseek-v3",), timeout=300):
+        _same_run(r[2], r[1])
 
 
 @pytest.mark.parametrize("model,Q,error", [
