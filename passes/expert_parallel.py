@@ -17,6 +17,9 @@ After, ``alltoall`` (rank keeps experts [lo, hi), L = E/ep of them; M rows arriv
     y_NH = wait(all_to_all_single(y_MH, send, recv))                  # combine, back on the source rank
     y_TH = moecompile.unpermute(y_NH, row_src_N, w_TK, T)
 
+``parallel.etp``: each expert is first cut along its FFN width into etp slice-experts, a token routed to all
+of its expert's slices (ep_slices.py); everything here then runs over the E*etp slice-experts and ep*etp ranks.
+
 ``allgather``: gather x_TH / idx_TK / w_TK of the ep group, permute the gathered tokens to the
 local experts, run them, unpermute into a partial [ep*T, H], reduce-scatter the sum back.
 ``static`` mode: the permute keeps C rows per expert (parallel.capacity_factor, per source rank),
