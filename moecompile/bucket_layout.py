@@ -36,7 +36,7 @@ class ExpertTensor:
     num_experts: int  # E, global
     lo: int  # first global expert id held here
     hi: int  # one past the last
-    slices: int = 1  # parallel.etp: ids are slice-experts q*E/slices + e (moecompile.expert_slices)
+    slices: int = 1  # parallel.etp: ids are slice-experts, id = q * (num_experts // slices) + e (expert_slices)
     glu: bool = False  # w_in / b_in hold gate rows then up rows
 
 

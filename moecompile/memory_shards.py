@@ -35,8 +35,9 @@ def optimizer_ranks(result: Any, shard: bool | None, dp: int | None, ep: int) ->
         world = getattr(getattr(result, "context", None), "world", None)
         dp = world.world_size if world is not None else 1
     elif not isinstance(dp, int) or isinstance(dp, bool) or dp < 1 or dp % ep:
+        group = "parallel.ep" if result.plan.parallel.etp == 1 else "parallel.ep x parallel.etp"
         raise MoecompileError(f"estimate_memory: dp={dp!r} must be the run's number of data-parallel ranks, a whole "
-                              f"multiple of parallel.ep={ep} (each ep group of ranks holds every expert once)")
+                              f"multiple of {group}={ep} (each ep group of ranks holds every expert once)")
     shard = result.plan.parallel.shard_optimizer if shard is None else bool(shard)
     return shard, dp, dp // ep
 

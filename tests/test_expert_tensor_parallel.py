@@ -195,7 +195,7 @@ def test_etp2_overlapped_in_chunks_trains_like_etp1():
 
 
 @pytest.mark.distributed
-def test_etp2_static_allgather_drops_the_tokens_etp1_drops():
+def test_etp2_static_allgather_trains_like_etp1():
     _, ranks = two_ranks()
     for r in ranks:
         _same_run(r["static_etp"], r["static_dp"])
