@@ -59,7 +59,28 @@ def _hf_grouped_mm_flop(x_shape, w_shape, *args, **kwargs) -> int:
     return 2 * n * i * w_shape[-1]
 
 
-_MOE_FORMULAS = {"grouped_mm": _grouped_mm_flop, "grouped_mm_wgrad": _grouped_mm_wgrad_flop}
+def _fp8_linear_flop(x_shape, w_shape, *args, **kwargs) -> int:
+    """fp8_linear's y = x_MK @ w_NK.T (any leading dims on x): 2*M*N*K, as the GEMM it replaces."""
+    m = 1
+    for d in x_shape[:-1]:
+        m *= d
+    return 2 * m * w_shape[0] * w_shape[1]
+
+
+def _fp8_grouped_linear_flop(x_shape, w_shape, *args, **kwargs) -> int:
+    """fp8_grouped_linear's y_NO = x_NI @ w_EOI[e].T per expert block: 2*N*O*I, as grouped_mm's."""
+    n, i = x_shape
+    return 2 * n * w_shape[1] * i
+
+
+def _grouped_mm_fp8_flop(x_shape, x_scale_shape, w_shape, *args, **kwargs) -> int:
+    """grouped_mm_fp8 on quantized operands: the same 2*N*O*I (its scales are not GEMM work)."""
+    return _fp8_grouped_linear_flop(x_shape, w_shape)
+
+
+_MOE_FORMULAS = {"grouped_mm": _grouped_mm_flop, "grouped_mm_wgrad": _grouped_mm_wgrad_flop,
+                 "fp8_linear": _fp8_linear_flop, "fp8_grouped_linear": _fp8_grouped_linear_flop,
+                 "grouped_mm_fp8": _grouped_mm_fp8_flop}
 
 
 def register_moe_formulas() -> None:
@@ -70,8 +91,8 @@ def register_moe_formulas() -> None:
     need their own entry.
     """
     for name, formula in _MOE_FORMULAS.items():
-        packet = getattr(torch.ops.moecompile, name)
-        if packet not in flop_registry:
+        packet = getattr(torch.ops.moecompile, name, None)  # the FP8 ops are defined when fp8_linear is imported
+        if packet is not None and packet not in flop_registry:
             register_flop_formula(packet)(formula)
 
 

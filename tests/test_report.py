@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
 import moecompile as mc
-from moecompile.costs import graph_costs, human
+from moecompile.costs import graph_costs, human, node_flops
 from moecompile.errors import MoecompileError
 from moecompile.history import PassRecord
 from moecompile.models import build_model
@@ -55,6 +55,24 @@ def test_graph_flops_agree_with_flop_counter_on_a_real_forward(result, rows):
     # torch counts no attention on CPU (its CPU kernel has no formula); everything else must agree
     assert counter.get_total_flops() == (MOE_FLOPS - L * SDPA) * T
     assert counter.get_flop_counts()["Global"][torch.ops.moecompile.grouped_mm] == L * K * 2 * 3 * H * F * T
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_gemms_count_the_flops_of_the_gemms_they_replace(recipe):
+    """fp8_linear / fp8_grouped_linear are opaque custom ops: without their formulas a converted FP8 graph
+    counted 0 FLOPs for every GEMM it quantized (the planner then priced FP8 plans at a fraction of their work)."""
+    model, (ids,) = build_model("tiny-llama")
+    experts = {"num_experts": 4, "top_k": 2}
+    plain = mc.convert(model, {"experts": experts}, (ids,))
+    fp8 = mc.convert(model, {"experts": experts, "fp8": {"recipe": recipe, "modules": ["experts", "attention_proj"]}},
+                     (ids,))
+    graph = fp8.history[-1].graph
+    quantized = [n for n in graph.nodes if str(n.target) in ("moecompile.fp8_linear.default",
+                                                             "moecompile.fp8_grouped_linear.default")]
+    assert {str(n.target) for n in quantized} == {"moecompile.fp8_linear.default",
+                                                  "moecompile.fp8_grouped_linear.default"}
+    assert all(node_flops(n) > 0 for n in quantized)
+    assert graph_costs(graph).flops == graph_costs(plain.history[-1].graph).flops
 
 
 def test_parameters_and_nodes(result, rows):
