@@ -11,7 +11,7 @@ routed experts; a training step comes out::
 # core: what passes build on
 from .errors import DistributedError, KernelError, MoecompileError, PassError, PlanError, TraceError
 from .meta import Role
-from .pass_manager import Options, PassContext, register_pass, register_verifier, registered_passes
+from .pass_manager import Options, PassContext, PassSpec, register_pass, register_verifier, registered_passes
 from .plan import Plan
 from .frontend import trace
 from . import distributed  # World, init, world_from_plan, expert_shards, reduce_gradients
@@ -30,8 +30,8 @@ from .planner import plan_for
 
 __all__ = [
     "ConversionResult", "DistributedError", "KernelError", "MoecompileError", "Options", "PassContext",
-    "PassError", "Plan", "PlanError", "Role", "TraceError", "convert", "diff", "register_pass", "register_verifier",
-    "registered_passes", "trace", "visualize",
+    "PassError", "PassSpec", "Plan", "PlanError", "Role", "TraceError", "convert", "diff", "register_pass",
+    "register_verifier", "registered_passes", "trace", "visualize",
 ]
 __all__ += ["StepMetrics", "TrainStep", "build_train_step", "export_hf", "AdamW"]
 __all__ += ["MemoryEstimate", "estimate_memory", "measure_memory"]

@@ -15,7 +15,7 @@ import moecompile.passes  # noqa: F401  (registers the built-in passes)
 from .distributed import resolve_world
 from .frontend import example_kwargs_for, flat_inputs, install_call_hooks, trace
 from .history import PassRecord
-from .pass_manager import Options, PassContext, resolve_order, run_passes
+from .pass_manager import Options, PassContext, PassSpec, resolve_order, run_passes
 from .plan import Plan
 from .stats import RouterStats, attach_stats_hook
 
@@ -75,7 +75,7 @@ def convert(
     plan: Plan | dict | None = None,
     example_inputs: tuple | Any = (),
     example_kwargs: dict[str, Any] | None = None,
-    passes: Iterable[str | Callable] | None = None,
+    passes: Iterable[str | Callable | PassSpec] | None = None,
     *,
     dynamic: bool = False,
     trace_method: str = "export",
@@ -84,7 +84,8 @@ def convert(
 ) -> ConversionResult:
     """Convert ``model`` into an MoE GraphModule as ``plan`` says; ``model`` is left untouched.
 
-    ``passes`` adds user passes (registered names or functions) to the built-in pipeline.
+    ``passes`` adds user passes (registered names, functions, or ``PassSpec``s with their own ordering) to
+    the built-in pipeline.
     With ``torch.distributed`` initialised and no ``world``, the world is built from ``plan.parallel``.
     """
     plan = plan if isinstance(plan, Plan) else Plan.from_dict(plan)

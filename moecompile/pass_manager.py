@@ -133,11 +133,17 @@ class PassContext:
         return [r.name for r in self.history]
 
 
-def resolve_order(extra: Iterable[str | PassFn] = ()) -> list[PassSpec]:
-    """The built-in pipeline plus user passes, ordered by every after/before constraint."""
+def resolve_order(extra: Iterable[str | PassFn | PassSpec] = ()) -> list[PassSpec]:
+    """The built-in pipeline plus user passes, ordered by every after/before constraint.
+
+    A user pass is a registered name, a function (run last unless registered with constraints), or a
+    ``PassSpec``: a pass with its own constraints that is not registered (a closure, one conversion's).
+    """
     specs = [_REGISTRY[name] for name in PIPELINE if name in _REGISTRY]
     for i, p in enumerate(extra):
-        if callable(p) and not isinstance(p, str):
+        if isinstance(p, PassSpec):
+            spec = p
+        elif callable(p) and not isinstance(p, str):
             name = getattr(p, "__name__", f"user_pass_{i}")
             spec = next((s for s in _REGISTRY.values() if s.fn is p), None) or PassSpec(name, p, after=(specs[-1].name,) if specs else ())
         elif p in _REGISTRY:

@@ -43,6 +43,16 @@ def test_user_pass_by_function_and_by_name_with_ordering(llama, ids):
     assert result.record("count_routes").decisions == ["2 routers"]
 
 
+def test_a_pass_spec_runs_where_its_constraints_put_it_without_being_registered(llama, ids):
+    seen = []
+    spec = mc.PassSpec("one_conversions_pass", lambda gm, ctx: seen.append(ctx.passes_run[-1]), after=("upcycle",),
+                       before=("expert_parallel",), requires=("moe",))
+    result = mc.convert(llama, PLAN, (ids,), passes=[spec])
+    names = [r.name for r in result.history]
+    assert names.index("upcycle") + 1 == names.index("one_conversions_pass") < names.index("expert_parallel")
+    assert seen == ["upcycle"] and "one_conversions_pass" not in mc.registered_passes()
+
+
 def test_unknown_pass_name_lists_registered_ones():
     with pytest.raises(mc.PassError, match="registered: find_ffn, upcycle"):
         resolve_order(["no_such_pass"])
