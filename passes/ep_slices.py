@@ -19,6 +19,9 @@ the ETP group: each routed copy goes to Q ranks and Q partial outputs come back.
 is per slice-expert and every slice of e sees exactly e's tokens, so the same tokens drop in each slice.
 Expert tensors keep their names; ``MoEInfo`` says ``num_experts = E*Q`` and ``slices = Q``
 (``moecompile.expert_slices.join_slices`` rebuilds whole experts for export).
+
+``slices_pass(Q)`` runs the same cut as a pass of its own on one process, every slice local: the graph
+one etp group computes, which the planner profiles to price ``parallel.etp = Q`` (planner/profile.py).
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx.passes.infra.pass_base import PassResult
 
 from moecompile.expert_slices import WIDTH_DIM, cut_slices
 from moecompile.meta import Role
+from moecompile.pass_manager import PassContext, PassSpec
 
-from .expert_parallel import Block, replace_load
+from .expert_parallel import Block, find_blocks, replace_load
 
 aten = torch.ops.aten
 
@@ -82,3 +87,29 @@ def slice_experts(gm: fx.GraphModule, block: Block, Q: int) -> None:
             load_E = emit(aten.narrow.default, load, 0, 0, E)  # (overlap's chunks re-sum it before that)
         replace_load(gm, block, load_E)
     info["num_experts"], info["slices"] = E * Q, Q
+
+
+def slices_pass(Q: int) -> PassSpec:
+    """Every MoE layer cut into ``Q`` slices per expert, all on this process, as a pass before ``expert_parallel``.
+
+    Not a plan setting (``parallel.etp`` slices inside ``expert_parallel``, over ep x etp ranks): the
+    one-process graph the planner measures an etp plan's FLOPs, bytes and activations on. It computes
+    what the unsliced graph does, which is how the slicing is tested without a process group.
+    """
+
+    def expert_slices(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+        if Q < 1:
+            raise ValueError(f"slices_pass({Q}): the slices per expert must be >= 1")
+        if ctx.plan.parallel.etp > 1:
+            raise ValueError(f"the plan has parallel.etp={ctx.plan.parallel.etp}, which expert_parallel slices; "
+                             f"slices_pass({Q}) is for a plan with parallel.etp: 1")
+        blocks = find_blocks(gm) if Q > 1 else []
+        for block in blocks:
+            E = block.info["num_experts"]
+            slice_experts(gm, block, Q)
+            ctx.decide(f"{block.layer}: {E} experts cut into {Q} slices each, {E * Q} slice-experts, all local")
+        ctx.record(slices=Q, layers=[b.layer for b in blocks])
+        return PassResult(gm, bool(blocks))
+
+    return PassSpec("expert_slices", expert_slices, after=("upcycle", "import_moe"), before=("expert_parallel",),
+                    requires=("moe",))

@@ -55,6 +55,32 @@ def test_an_experts_slices_add_up_to_it(glu, Q):
         assert torch.equal(join_slices(cut_slices(t, key, Q, glu), key, Q, glu), t)
 
 
+@pytest.mark.parametrize("Q", [2, 4])
+def test_the_sliced_graph_on_one_process_computes_the_unsliced_one(Q):
+    """slices_pass: the graph the planner prices etp on, whose every slice is local: the same logits, the
+    whole experts' gradients when the slices' are joined, the same loads and router loss."""
+    from moecompile.models import build_model
+    from moecompile.passes.ep_slices import slices_pass
+
+    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=2, seq_len=8)
+    plan = {"experts": EXPERTS}
+    whole, sliced = mc.convert(dense, plan, (ids,)), mc.convert(dense, plan, (ids,), passes=[slices_pass(Q)])
+    assert sliced.record("expert_slices").data["slices"] == Q
+    outs = []
+    for r in (whole, sliced):
+        logits = r.module(ids).logits
+        (logits.square().mean() + r.router_loss()).backward()
+        outs.append((logits, r.router_loss(), r.expert_load()))
+    torch.testing.assert_close(outs[1][0], outs[0][0])
+    torch.testing.assert_close(outs[1][1], outs[0][1])
+    assert {k: v.tolist() for k, v in outs[1][2].items()} == {k: v.tolist() for k, v in outs[0][2].items()}
+    grads = {n: p.grad for n, p in sliced.module.named_parameters()}
+    for name, p in whole.module.named_parameters():
+        key = {"w_gate_up": "w_in", "w_down": "w_out"}.get(name.rsplit(".", 1)[1])
+        g = join_slices(grads[name], key, Q, True) if key and ".experts." in name else grads[name]
+        torch.testing.assert_close(g, p.grad, msg=name)
+
+
 def test_etp_needs_its_ranks():
     with pytest.raises(PlanError, match="parallel.etp=3.*must divide the world size 4"):
         mc.distributed.check_ep(2, 4, etp=3)
