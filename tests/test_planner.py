@@ -54,11 +54,13 @@ def test_enumerator_never_returns_an_illegal_plan(experts, nodes, per_node, per_
     for c in cands:
         ep = c.plan.parallel.ep
         seen_eps.add(ep)
-        assert experts % ep == 0 and gpus % ep == 0, c.describe()
+        assert experts % ep == 0 and gpus % c.expert_ranks == 0, c.describe()
+        if c.etp > 1:  # only where ep alone cannot spread the experts over ep x etp ranks
+            assert experts % c.expert_ranks or c.expert_ranks > experts, c.describe()
         assert global_batch % (gpus * c.micro_batch) == 0
         assert mc.Plan.from_dict(c.plan.to_dict()) == c.plan  # validates and round-trips
         if c.plan.parallel.dispatch_mode == "static":
-            assert ep > 1 and c.plan.parallel.capacity_factor
+            assert c.expert_ranks > 1 and c.plan.parallel.capacity_factor
         assert c.plan.experts.capacity_factor is None
     # complete: every EP size that divides both is offered, and every other divisor of the GPUs is explained
     assert seen_eps == {d for d in range(1, gpus + 1) if gpus % d == 0 and experts % d == 0}

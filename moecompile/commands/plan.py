@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--experts", default=None, help="experts plan as JSON, for a dense model (or to override an MoE's)")
     p.add_argument("--micro-batches", default="1,2,4", help="micro-batch sizes to try (sequences), comma-separated")
+    p.add_argument("--etp", default=None,
+                   help="parallel.etp sizes to try, comma-separated (default 1,2,4,8: more than 1 only where ep x "
+                        "etp is not a legal ep); 1 never cuts experts into slices")
     p.add_argument("--fp8", default=None, help="FP8 recipes to try, e.g. none,blockwise (default: all the pass has)")
     p.add_argument("--shard-optimizer", choices=("auto", "on", "off"), default="auto",
                    help="parallel.shard_optimizer (ZeRO-1): auto tries both on more than one GPU; off for an "
@@ -62,6 +65,11 @@ def run(args: argparse.Namespace) -> int:
         experts = json.loads(args.experts) if args.experts else None
         overrides = {"micro_batches": tuple(int(x) for x in args.micro_batches.split(",") if x)}
         space = SearchSpace.available(**overrides)
+        if args.etp:
+            etps = tuple(int(x) for x in args.etp.split(",") if x.strip().isdigit())
+            if not etps or min(etps) < 1 or len(etps) != len([x for x in args.etp.split(",") if x]):
+                raise MoecompileError(f"--etp {args.etp}: give sizes >= 1, comma-separated (e.g. 1,2)")
+            space = dataclasses.replace(space, etps=etps)
         if args.fp8:
             space = dataclasses.replace(space, fp8_recipes=tuple(r for r in args.fp8.split(",") if r))
         if args.shard_gradients == "on" and args.shard_optimizer == "off":

@@ -51,7 +51,7 @@ def plan_for(model_or_config: Any, cluster: Cluster | str, *, global_batch: int,
             raise MoecompileError(f"the converted graph was traced at seq_len {base.seq_len}, not {seq_len}; convert "
                                   "at the sequence length you will train with (attention cost is not linear in it)")
         plan = model_or_config.plan
-        space = _pin(space, plan, base.micro_batch)
+        space = _pin(space, plan, base.micro_batch, base.etp)
         start = plan.to_dict()
         profile_for = lambda cand: base  # noqa: E731  (one graph: its own recompute / fp8 as converted)
     else:
@@ -75,10 +75,11 @@ def plan_for(model_or_config: Any, cluster: Cluster | str, *, global_batch: int,
     return search(profile_for, base.plan.experts.to_dict(), cluster, global_batch, space, start, baseline=base)
 
 
-def _pin(space: SearchSpace, plan: Any, micro_batch: int) -> SearchSpace:
-    """A converted graph has its recompute / fp8 / micro-batch / weight placement fixed: search only around them."""
+def _pin(space: SearchSpace, plan: Any, micro_batch: int, etp: int) -> SearchSpace:
+    """A converted graph has its recompute / fp8 / micro-batch / weight placement / expert slices fixed: search
+    only around them."""
     import dataclasses
 
     return dataclasses.replace(space, recompute_sets=(tuple(plan.recompute.modules),),
                                fp8_recipes=(plan.fp8.recipe,), micro_batches=(micro_batch,),
-                               weight_placements=(plan.experts.apply_weights,))
+                               weight_placements=(plan.experts.apply_weights,), etps=(etp,))

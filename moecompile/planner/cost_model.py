@@ -35,6 +35,10 @@ The model, per micro-batch and rank (T tokens of the micro-batch, /tp with seque
   reads last stays whole into backward, one all-gather fewer a micro-batch: not counted). The gathers are
   counted exposed for the reason ZeRO-2's reduce-scatters are: nothing has measured how much of
   them the prefetch hides, so ZeRO-3 never looks faster than ZeRO-2 and is chosen for memory only.
+- expert tensor parallelism (``parallel.etp`` = Q): priced on the profile of the graph with every expert cut
+  into Q slices (traced on one process, planner/profile.py), so its routed rows, dispatch bytes and kept
+  activations are the sliced graph's (Q x the rows, Q x narrower expert GEMMs); experts, their exchange
+  and their data-parallel group are then spread over ep x Q ranks wherever ep alone is above.
 - memory: parameters, gradients and optimizer state per rank (experts / ep) and the activations
   the graph keeps for backward, from the memory estimator (or moecompile.costs when it is absent).
   Sharded, a rank keeps the AdamW states, fp32 masters and their grads of its range only; the
@@ -57,6 +61,7 @@ from typing import Any
 import torch
 
 from ..costs import human
+from ..errors import MoecompileError
 from ..kernels.adamw import host_traffic
 from ..grad_shards import IN_FLIGHT
 from ..memory_shards import IN_FLIGHT_PARAM_BUCKETS
@@ -105,6 +110,16 @@ class Candidate:
         return self.plan.parallel.ep
 
     @property
+    def etp(self) -> int:
+        """Slices each expert is cut into (``parallel.etp``): a routed row goes to all of them."""
+        return getattr(self.plan.parallel, "etp", 1)
+
+    @property
+    def expert_ranks(self) -> int:
+        """Ranks one layer's experts (their slices) are spread over: ep x etp."""
+        return self.ep * self.etp
+
+    @property
     def distributed_optimizer(self) -> bool:
         """ZeRO-1 / Megatron-Core's distributed optimizer: the plan's ``parallel.shard_optimizer``."""
         return self.plan.parallel.shard_optimizer
@@ -133,8 +148,8 @@ class Candidate:
 
     def describe(self) -> str:
         p = self.plan
-        parts = [f"ep={p.parallel.ep}"]
-        if p.parallel.ep > 1:
+        parts = [f"ep={p.parallel.ep}" + (f" etp={self.etp}" if self.etp > 1 else "")]
+        if self.expert_ranks > 1:
             mode = p.parallel.dispatch_mode
             if mode == "static":
                 mode += f" cf={p.parallel.static_capacity_factor(p.experts)}"
@@ -151,7 +166,7 @@ class Candidate:
         if self.offload:
             parts.append(f"offload {self.offload:.0%}")
         mods = list(p.recompute.modules) + [m for m in self.assume_recompute if m not in p.recompute.modules]
-        if p.parallel.ep > 1 and p.experts.apply_weights == "combine":
+        if self.expert_ranks > 1 and p.experts.apply_weights == "combine":
             parts.append("weights@combine")
         if mods:
             parts.append("recompute " + ",".join(mods))
@@ -240,7 +255,7 @@ def _static_pad(profile: ModelProfile, cand: Candidate, tokens: float) -> float:
     import math
 
     par = cand.plan.parallel
-    cf = par.static_capacity_factor(cand.plan.experts) if par.ep > 1 else cand.plan.experts.capacity_factor
+    cf = par.static_capacity_factor(cand.plan.experts) if cand.expert_ranks > 1 else cand.plan.experts.capacity_factor
     if not cf:
         return 1.0
     E, k = profile.num_experts, profile.top_k
@@ -267,7 +282,7 @@ class _Times:
             flops *= CAUSAL_FRACTION
         if nc.category == "experts":
             flops, act = flops * self.pad, act * self.pad
-            weights = nc.weight_bytes / cand.ep
+            weights = nc.weight_bytes / cand.expert_ranks
         else:
             weights = nc.weight_bytes / cand.tp
         fp8 = nc.fp8 or nc.category in self.fp8
@@ -333,7 +348,11 @@ def _pipe(d: float, c: float, b: float, n: int, latency: float) -> float:
 
 def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_batch: int) -> Estimate:
     """Predicted step time and memory per rank of ``cand`` on ``cluster`` for ``global_batch`` sequences."""
-    G, tp, pp, ep = cluster.gpus, cand.tp, cand.pp, cand.ep
+    G, tp, pp, ep = cluster.gpus, cand.tp, cand.pp, cand.expert_ranks  # ep: the experts' group, ep x etp
+    if profile.etp != cand.etp:
+        raise MoecompileError(f"the profile was traced with experts in {profile.etp} slice(s), the candidate has "
+                              f"parallel.etp={cand.etp}: profile the candidate's own graph (profile_config(..., "
+                              f"sections={{'parallel': {{'etp': {cand.etp}}}}}))")
     dp = G // (tp * pp)
     edp = max(1, G // (ep * pp))
     seqs = global_batch / dp
@@ -401,7 +420,8 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
                f"overlap pass, {cand.overlap_chunks} chunks" if cand.overlap_chunks else "not overlapped")
         terms.append(Term("dispatch+combine", m * a2a_exposed / pp,
                           f"exposed, {profile.moe_layers} MoE layers x 4 exchanges of {a2a_detail}"
-                          + weights_how + f" ({how})"))
+                          + weights_how + f" ({how})" + (f"; in groups of ep x etp = {ep}, each routed row sent to "
+                                                         f"its expert's {cand.etp} slices" if cand.etp > 1 else "")))
         if cand.overlap_chunks or cand.ep_overlap_1f1b:
             raw = sum(4 * _exchange(cluster, (lp.hidden_bytes * ep if par.dispatcher == "allgather"
                                               else lp.dispatch_bytes * times.pad) * scale / tp, ep)[0] * lp.count
@@ -475,19 +495,19 @@ def _has_fp8(profile: ModelProfile) -> bool:
 
 
 def params_per_rank(profile: ModelProfile, cand: Candidate) -> float:
-    """Parameter elements one rank holds: dense / (tp x pp), experts / (ep x pp)."""
-    return profile.dense_params / (cand.tp * cand.pp) + profile.expert_params / (cand.ep * cand.pp)
+    """Parameter elements one rank holds: dense / (tp x pp), experts / (ep x etp x pp)."""
+    return profile.dense_params / (cand.tp * cand.pp) + profile.expert_params / (cand.expert_ranks * cand.pp)
 
 
 def dp_sizes(gpus: int, cand: Candidate) -> tuple[int, int]:
     """(dp, edp): the ranks a dense parameter and an expert parameter are replicated over."""
-    return max(1, gpus // (cand.tp * cand.pp)), max(1, gpus // (cand.ep * cand.pp))
+    return max(1, gpus // (cand.tp * cand.pp)), max(1, gpus // (cand.expert_ranks * cand.pp))
 
 
 def optimizer_params(profile: ModelProfile, cand: Candidate, gpus: int) -> float:
     """Parameter elements whose optimizer state one rank keeps and updates: all it holds, or with
     ``parallel.shard_optimizer`` its range of them (dense / dp, experts / edp)."""
-    dense, experts = profile.dense_params / (cand.tp * cand.pp), profile.expert_params / (cand.ep * cand.pp)
+    dense, experts = profile.dense_params / (cand.tp * cand.pp), profile.expert_params / (cand.expert_ranks * cand.pp)
     if not cand.distributed_optimizer:
         return dense + experts
     dp, edp = dp_sizes(gpus, cand)
@@ -537,7 +557,7 @@ def largest_bucket(profile: ModelProfile, cand: Candidate, gpus: int, nbytes: fl
     largest_dense, largest_expert = profile.largest_params
     sizes = [min(total * nbytes, max(limit, largest * nbytes)) for total, largest, d in (
         (profile.dense_params / (cand.tp * cand.pp), largest_dense / cand.tp, dp),
-        (profile.expert_params / (cand.ep * cand.pp), largest_expert / cand.ep, edp)) if d > 1]
+        (profile.expert_params / (cand.expert_ranks * cand.pp), largest_expert / cand.expert_ranks, edp)) if d > 1]
     return max(sizes, default=0.0)
 
 
@@ -593,7 +613,8 @@ def _memory(profile: ModelProfile, cand: Candidate, gpus: int) -> list[Term]:
     params = (Term("params", owned * e + gathered, f"{human(owned)} elements x {e} B, {where}, + whole buckets "
                    f"gathered ({human(gathered, 'B', 1024)}, {_whole_how(profile, cand, e, IN_FLIGHT_PARAM_BUCKETS)})")
               if cand.shard_parameters else
-              Term("params", params_rank * e, f"{human(params_rank)} elements x {e} B (experts / ep={cand.ep})"))
+              Term("params", params_rank * e, f"{human(params_rank)} elements x {e} B (experts / "
+                   + (f"ep x etp={cand.expert_ranks})" if cand.etp > 1 else f"ep={cand.ep})")))
     act = profile.activation_bytes * cand.micro_batch / profile.micro_batch / cand.tp
     f = cand.offload
     out = [

@@ -107,6 +107,9 @@ class ModelProfile:
     # elements of the largest dense parameter and of the largest routed-expert tensor (all E experts): one
     # bigger than a gradient bucket is a bucket of its own, which ZeRO-2 holds whole while it is in flight
     largest_params: tuple[float, float] = (0.0, 0.0)
+    # each expert traced as this many slices (parallel.etp): routed rows x etp, expert GEMMs etp x narrower; the
+    # cost model prices a candidate on the profile of its own etp
+    etp: int = 1
 
     @property
     def tokens(self) -> int:
@@ -405,18 +408,20 @@ def measure_activations(result: Any, micro_batch: int) -> Memory:
 # --- building profiles --------------------------------------------------------------------------------
 
 
-def _meta_convert(cfg: Any, plan: dict, micro_batch: int, seq_len: int) -> Any:
-    """Build ``cfg`` on the meta device and convert it; nothing is allocated."""
+def _meta_convert(cfg: Any, plan: dict, micro_batch: int, seq_len: int, etp: int = 1) -> Any:
+    """Build ``cfg`` on the meta device and convert it; nothing is allocated. ``etp`` > 1: with each expert
+    cut into that many slices, all on this process (the graph an etp group computes between them)."""
     from transformers import AutoModelForCausalLM
 
     from ..convert import convert
+    from ..passes.ep_slices import slices_pass
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         model.train()
         ids = torch.zeros(micro_batch, seq_len, dtype=torch.long)
         try:
-            return convert(model, plan, (ids,))
+            return convert(model, plan, (ids,), passes=[slices_pass(etp)] if etp > 1 else None)
         except MoecompileError:
             raise
         except Exception as e:  # export / a pass on a model we rebuilt
@@ -445,17 +450,18 @@ def _profile_cached(key: str, seq_len: int, micro_batch: int, sections: str) -> 
         config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     arch = moe_arch(config, spec.get("experts"))
     extra = json.loads(sections)
+    etp = int(extra.pop("parallel", {}).get("etp", 1))  # the slices are traced on one process: no parallel section
     plan = {**extra, "experts": {**arch.experts, **extra.get("experts", {})}}
     if seq_len > getattr(config, "max_position_embeddings", seq_len):
         arch = dataclasses.replace(arch, base={**arch.base, "max_position_embeddings": seq_len})
-    p1 = _meta_convert(arch.config(1, arch.moe_intermediate), plan, micro_batch, seq_len)
+    p1 = _meta_convert(arch.config(1, arch.moe_intermediate), plan, micro_batch, seq_len, etp)
     g1, par1, m1 = _split(p1), _params(p1), measure_activations(p1, micro_batch)
     if m1.by_layer is not None:  # the estimator splits by layer: one traced layer is enough
         base_act, moe_act = _layer_memory(m1, None), _layer_memory(m1, 0)
         traced = "1 MoE layer"
     else:  # a whole-graph figure: difference of 1 and 2 layers
-        m2 = measure_activations(_meta_convert(arch.config(2, arch.moe_intermediate), plan, micro_batch, seq_len),
-                                 micro_batch)
+        m2 = measure_activations(_meta_convert(arch.config(2, arch.moe_intermediate), plan, micro_batch, seq_len,
+                                               etp), micro_batch)
         base_act, moe_act = 2 * m1.total - m2.total, m2.total - m1.total
         traced = "1 and 2 MoE layers"
     rows, hidden, weights = _moe_bytes(g1.get(0, []))
@@ -483,7 +489,7 @@ def _profile_cached(key: str, seq_len: int, micro_batch: int, sections: str) -> 
     notes = [f"traced {traced} on the meta device; scaled to {arch.n_moe} MoE + {arch.n_dense} dense layers"]
     return ModelProfile(spec.get("name", config.model_type), seq_len, micro_batch, config.hidden_size,
                         experts.num_experts, experts.top_k, elem, layers, p1.plan, m1.source, m1.state_bytes, approx,
-                        notes, largest)
+                        notes, largest, etp)
 
 
 def profile_config(model: Any, *, seq_len: int, micro_batch: int = 1, experts: dict | None = None,
@@ -506,15 +512,16 @@ def profile_config(model: Any, *, seq_len: int, micro_batch: int = 1, experts: d
 def profile_result(result: Any) -> ModelProfile:
     """Profile a ConversionResult as it is: every layer of its graph, at its example batch.
 
-    A graph converted with ``parallel.ep > 1`` holds E/ep experts; its expert parameters and
-    weight bytes are scaled back to the whole model (the cost model divides by ep again).
+    A graph converted with ``parallel.ep > 1`` holds E/ep experts (E*etp/(ep*etp) slices under
+    ``parallel.etp``); its expert parameters and weight bytes are scaled back to the whole model (the
+    cost model divides by ep x etp again).
     """
     ids = result.example_inputs[0] if result.example_inputs else None
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
         raise MoecompileError("profile_result needs a result converted from token ids [batch, seq] "
                               "(result.example_inputs[0])")
     micro_batch, seq_len = ids.shape
-    ep = result.plan.parallel.ep
+    ep = result.plan.parallel.expert_ranks  # the ranks the experts are spread over: ep x etp
     groups = _split(result)
     params = _params(result)
 
@@ -540,10 +547,12 @@ def profile_result(result: Any) -> ModelProfile:
     elem = next(p.element_size() for p in result.module.parameters())
     name = experts_param(result)
     hidden = result.module.get_parameter(name).shape[-1] if name else 0
+    etp = slices_of(result)
     return ModelProfile(type(result.module).__name__, int(seq_len), int(micro_batch), int(hidden), experts.num_experts,
                         experts.top_k, elem, layers, result.plan, mem.source, mem.state_bytes,
                         costs.graph_costs(result.history[-1].graph).approximate,
-                        [f"profiled the converted graph as is (ep={ep})"], _largest(result, ep=ep))
+                        [f"profiled the converted graph as is (ep={result.plan.parallel.ep}"
+                         + (f" x etp={etp})" if etp > 1 else ")")], _largest(result, ep=ep), etp)
 
 
 def experts_param(result: Any) -> str | None:
@@ -552,3 +561,9 @@ def experts_param(result: Any) -> str | None:
         if name.endswith("experts.w_gate_up") or name.endswith("experts.w_up"):
             return name
     return None
+
+
+def slices_of(result: Any) -> int:
+    """The slices each expert of ``result``'s graph is cut into: ``parallel.etp``, or ``slices_pass``'s."""
+    infos = [n.meta["moe"]["moe"] for n in result.module.graph.nodes if "moe" in n.meta.get("moe", {})]
+    return max((int(info.get("slices", 1)) for info in infos), default=1)

@@ -7,6 +7,10 @@
 Legal means: ``ep`` divides both the number of experts and the GPUs, every rank gets whole
 micro-batches of whole sequences, and the ``Plan`` built from the choice validates. An illegal
 combination is never produced; the EP sizes left out are listed in ``skipped`` with the reason.
+``parallel.etp`` (experts cut into etp slices over ep x etp ranks) is tried where ep x etp divides the
+GPUs but is not a legal ep itself (more GPUs than experts, or an ep the experts don't divide): where it
+is, ep alone spreads the experts as far with etp times fewer bytes on the wire, so etp is never better.
+An etp the experts' FFN width doesn't divide is left out when its graph is traced.
 A plan that does not fit in memory is kept in ``rejected`` with its memory breakdown.
 ``parallel.shard_optimizer`` (ZeRO-1) is tried on and off on more than one GPU, where it is on
 ``parallel.shard_gradients`` (ZeRO-2) on and off, and where that is on ``parallel.shard_parameters``
@@ -48,6 +52,8 @@ class SearchSpace:
     recompute_sets: tuple[tuple[str, ...], ...] = ((),)
     fp8_recipes: tuple[str, ...] = ("none",)
     micro_batches: tuple[int, ...] = (1, 2, 4)
+    # parallel.etp (expert tensor parallel) sizes, where ep x etp is not a legal ep (see the module doc)
+    etps: tuple[int, ...] = (1, 2, 4, 8)
     # experts.apply_weights tried under the alltoall dispatcher at ep > 1, the one place they differ in
     # time (activation sends each row's weight with it, combine keeps an [N, H] more for backward);
     # elsewhere "auto" only: equal time, and activation keeps less
@@ -78,6 +84,9 @@ class SearchSpace:
         if "expert_parallel" not in passes or "parallel" not in sections:
             fields["expert_parallel"] = False
             notes.append("expert_parallel pass not registered: only ep=1 is enumerated")
+        if "etp" not in {f.name for f in dataclasses.fields(Plan().parallel)}:
+            fields["etps"] = (1,)
+            notes.append("parallel.etp not in the plan: experts are never cut into slices")
         if "overlap" in passes and "overlap" in sections:
             fields["overlap_chunks"] = (1, 2, 4)
         else:
@@ -123,8 +132,28 @@ def legal_ep_sizes(num_experts: int, gpus: int) -> tuple[list[int], list[str]]:
     return keep, skipped
 
 
+def expert_groups(num_experts: int, gpus: int, etps: tuple[int, ...] = (1,)) -> tuple[list[tuple[int, int]], list[str]]:
+    """(ep, etp) pairs to enumerate, and what was left out with why: every legal ep at each etp in ``etps``
+    where ep x etp divides the GPUs, except, when etp 1 is tried too, those where ep x etp is a legal ep
+    itself (see the module doc)."""
+    eps, skipped = legal_ep_sizes(num_experts, gpus)
+    pairs, dominated = [], []
+    for etp in sorted(set(etps)):
+        for ep in eps:
+            if gpus % (ep * etp):
+                continue
+            if etp > 1 and 1 in etps and ep * etp in eps:
+                dominated.append(f"ep={ep} x etp={etp}")
+            else:
+                pairs.append((ep, etp))
+    if dominated:
+        skipped.append(f"{', '.join(dominated)}: ep alone spreads the experts over as many ranks, sending each routed "
+                       "row once instead of to every slice")
+    return pairs, skipped
+
+
 def _plan_dict(base: dict, experts: dict, ep: int, dispatcher: str, mode: str, cf: float | None,
-               recompute: tuple[str, ...], fp8: str, chunks: int, weights: str | None = None) -> dict:
+               recompute: tuple[str, ...], fp8: str, chunks: int, weights: str | None = None, etp: int = 1) -> dict:
     """``base`` (a plan as a dict) with the searched fields set; experts.capacity_factor goes (parallel owns it)."""
     plan: dict[str, Any] = {k: dict(v) for k, v in base.items()}
     plan["experts"] = {**plan.get("experts", {}), **experts, "capacity_factor": None}
@@ -132,6 +161,8 @@ def _plan_dict(base: dict, experts: dict, ep: int, dispatcher: str, mode: str, c
         plan["experts"]["apply_weights"] = weights
     plan["parallel"] = {**plan.get("parallel", {}), "ep": ep, "dispatcher": dispatcher, "dispatch_mode": mode,
                         "capacity_factor": cf if mode == "static" else None}
+    if etp > 1 or "etp" in plan["parallel"]:
+        plan["parallel"]["etp"] = etp
     for key in ("shard_optimizer", "shard_gradients", "shard_parameters"):  # searched: the sharded twins are added
         if key in plan["parallel"]:
             plan["parallel"][key] = False
@@ -162,11 +193,12 @@ def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, spa
     mbs = [b for b in space.micro_batches if per_rank % b == 0]
     skipped += [f"micro-batch {b}: does not divide the {per_rank} sequences per GPU" for b in space.micro_batches
                 if b not in mbs]
-    eps, why = legal_ep_sizes(E, G)
+    groups, why = expert_groups(E, G, space.etps)
     skipped += why
     if not space.expert_parallel:
-        skipped += [f"ep={ep}: the expert_parallel pass is not available" for ep in eps if ep > 1]
-        eps = [1]
+        skipped += [f"ep={ep}" + (f" x etp={etp}" if etp > 1 else "") + ": the expert_parallel pass is not available"
+                    for ep, etp in groups if ep * etp > 1]
+        groups = [(1, 1)]
     overlap_chunks = space.overlap_chunks
     if overlap_chunks and "overlap" not in {f.name for f in dataclasses.fields(Plan)}:
         skipped.append(f"overlap chunks {list(overlap_chunks)}: Plan has no 'overlap' section to hold them")
@@ -180,19 +212,20 @@ def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, spa
     sharded: dict[Any, Any] = {}  # one validated sharded parallel section per distinct unsharded one and level
     out: list[Candidate] = []
     ruled_out: dict[str, list[str]] = {}
-    for ep in eps:
+    for ep, etp in groups:
         comm = [("alltoall", "dropless", None, None)]
-        if ep > 1:
+        if ep * etp > 1:
             comm = [(d, m, cf, w) for d in space.dispatchers for m in space.dispatch_modes
                     for cf in (space.capacity_factors if m == "static" else (None,))
                     for w in (placements if d == "alltoall" else placements[:1])]
-        chunk_opts = [0] + [c for c in overlap_chunks if ep > 1]
+        chunk_opts = [0] + [c for c in overlap_chunks if ep * etp > 1]
         for (disp, mode, cf, weights), chunks, rc, fp8, mb in itertools.product(
                 comm, chunk_opts, space.recompute_sets, space.fp8_recipes, mbs):
             try:
-                plan = Plan.from_dict(_plan_dict(base or {}, experts, ep, disp, mode, cf, rc, fp8, chunks, weights))
+                plan = Plan.from_dict(_plan_dict(base or {}, experts, ep, disp, mode, cf, rc, fp8, chunks, weights, etp))
             except PlanError as e:  # a rule between sections rules the combination out
-                combo = f"ep={ep} {disp} {mode}" + (f" overlap x{chunks}" if chunks else "")
+                combo = (f"ep={ep}" + (f" etp={etp}" if etp > 1 else "") + f" {disp} {mode}"
+                         + (f" overlap x{chunks}" if chunks else ""))
                 ruled_out.setdefault(str(e), [])
                 if combo not in ruled_out[str(e)]:
                     ruled_out[str(e)].append(combo)
@@ -319,17 +352,18 @@ def search(profile_for: Callable[[Candidate], ModelProfile], experts: dict, clus
     rejected: list[tuple[Estimate, str]] = []
     profile = baseline
     failed: dict[str, list[str]] = {}
-    pruned: set[tuple[int, int, str]] = set()
+    pruned: set[tuple[int, int, int, str]] = set()
     n_pruned = 0
     offload = space.offload_optimizer and cluster.can_offload
     for cand in cands:
         if baseline is not None and static_memory(baseline, cand, cluster.gpus, offloadable=offload) > \
                 cluster.usable_memory:
             n_pruned += 1
-            key = (cand.ep, cand.micro_batch, cand.zero)
-            if key not in pruned:  # one representative per EP size, micro-batch and sharding (zero1, 2, 3)
+            key = (cand.ep, cand.etp, cand.micro_batch, cand.zero)
+            if key not in pruned:  # one representative per EP x ETP size, micro-batch and sharding (zero1, 2, 3)
                 pruned.add(key)
-                est = estimate(baseline, cluster, cand, global_batch)
+                # not traced with its slices: rejected on what slicing leaves unchanged, its activations unsliced
+                est = estimate(dataclasses.replace(baseline, etp=cand.etp), cluster, cand, global_batch)
                 static = static_memory(baseline, cand, cluster.gpus, offloadable=offload)
                 what = ("parameters and gradients alone, the optimizer offloaded," if offload else
                         "parameters, gradients and optimizer state alone")
@@ -383,13 +417,16 @@ def _rank_key(est: Estimate) -> tuple:
 
 
 def iter_sections(cand: Candidate) -> dict:
-    """The plan sections (besides parallel) that change the graph, for profiling a candidate.
+    """The plan sections that change the graph, for profiling a candidate.
 
-    Of experts only ``apply_weights``: the rest is the model's (the profile's own experts section).
+    Of experts only ``apply_weights``: the rest is the model's (the profile's own experts section). Of
+    parallel only ``etp``: the experts' slices, traced on one process (the rest is priced, not traced).
     """
     d = cand.plan.to_dict()
     out = {k: d[k] for k in ("recompute", "fp8") if k in d and d[k] != Plan().to_dict()[k]}
     if cand.plan.experts.apply_weights != "auto":
         out["experts"] = {"apply_weights": cand.plan.experts.apply_weights}
+    if cand.etp > 1:  # the experts traced in their slices, on one process
+        out["parallel"] = {"etp": cand.etp}
     return out
 

@@ -63,7 +63,7 @@ def simulated(profile: ModelProfile, cand: Any, nbytes: float) -> bool:
 def _simulated(what: str, profile: ModelProfile, cand: Any, dp: int, edp: int, nbytes: float) -> int | None:
     if not simulated(profile, cand, nbytes):
         return None
-    layout = (tuple((lp.kind, lp.count, lp.first, lp.tensors, lp.tail) for lp in profile.layers), cand.tp, cand.ep,
+    layout = (tuple((lp.kind, lp.count, lp.first, lp.tensors, lp.tail) for lp in profile.layers), cand.tp, cand.expert_ranks,
               dp, edp, cand.bucket_mb, nbytes)
     if (what, *layout) not in _CACHE:  # the gathered peak is cheap: priced too while the layout is at hand
         trainable, experts, first = _rank_share(model_order(profile), cand, _DTYPES[int(nbytes)])
@@ -77,11 +77,12 @@ def _simulated(what: str, profile: ModelProfile, cand: Any, dp: int, edp: int, n
 
 def _rank_share(order: list[tuple[float, bool]], cand: Any, dtype: torch.dtype
                 ) -> tuple[dict[str, nn.Parameter], set[str], dict[str, int]]:
-    """A rank's parameters as meta tensors (experts / ep, dense / tp), the experts' names, and where each is read."""
+    """A rank's parameters as meta tensors (experts / ep x etp, dense / tp), the experts' names, and where each is
+    read."""
     trainable, experts, first = {}, set(), {}
     for i, (elements, expert) in enumerate(order):
         name = f"p{i}"
-        numel = max(1, -(-int(elements) // (cand.ep if expert else cand.tp)))
+        numel = max(1, -(-int(elements) // (cand.expert_ranks if expert else cand.tp)))
         trainable[name] = nn.Parameter(torch.empty(numel, dtype=dtype, device="meta"))
         first[name] = i
         if expert:
