@@ -137,18 +137,21 @@ def expert_groups(num_experts: int, gpus: int, etps: tuple[int, ...] = (1,)) -> 
     where ep x etp divides the GPUs, except, when etp 1 is tried too, those where ep x etp is a legal ep
     itself (see the module doc)."""
     eps, skipped = legal_ep_sizes(num_experts, gpus)
-    pairs, dominated = [], []
+    pairs: list[tuple[int, int]] = []
+    dominated: list[tuple[int, int]] = []
     for etp in sorted(set(etps)):
         for ep in eps:
             if gpus % (ep * etp):
                 continue
             if etp > 1 and 1 in etps and ep * etp in eps:
-                dominated.append(f"ep={ep} x etp={etp}")
+                dominated.append((ep, etp))
             else:
                 pairs.append((ep, etp))
     if dominated:
-        skipped.append(f"{', '.join(dominated)}: ep alone spreads the experts over as many ranks, sending each routed "
-                       "row once instead of to every slice")
+        which = ", ".join(f"ep={ep} x etp={etp}" for ep, etp in dominated) if len(dominated) <= 4 else \
+            f"{len(dominated)} ep x etp pairs (etp " + ", ".join(str(t) for t in sorted({t for _, t in dominated})) + ")"
+        skipped.append(f"{which}: ep x etp is a legal ep there, which spreads the experts as far sending "
+                       "each routed row once instead of to every slice")
     return pairs, skipped
 
 
