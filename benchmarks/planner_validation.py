@@ -13,7 +13,8 @@ TFLOPS / published tokens/s), so the error is the error in throughput. Nothing i
 efficiencies are those stated once in moecompile/planner/cluster.py.
 
 (2) This machine: a small converted model trained with build_train_step over gloo for ep = 1, 2,
-4; the prediction uses a CPU "cluster" measured by microbenchmarks in the same processes just
+4 (and ep x etp layouts, ``--eps 2,1x2,4,2x2``: experts cut into etp slices over ep x etp ranks);
+the prediction uses a CPU "cluster" measured by microbenchmarks in the same processes just
 before the run (matmul, copy, per-op overhead, gloo all-to-all) and the profile of the very
 graph each rank runs.
 """
@@ -139,14 +140,15 @@ def print_published(rows: list[dict]) -> None:
 # --- (2) this machine ---------------------------------------------------------------------------------
 
 
-def _train_rank(rank: int, world: int, batch: int, seq: int, steps: int, experts: dict) -> dict:
-    """On each rank: microbenchmark, then convert the small model for ep=world and time real training steps."""
+def _train_rank(rank: int, world: int, batch: int, seq: int, steps: int, experts: dict, etp: int = 1) -> dict:
+    """On each rank: microbenchmark, then convert the small model for ep x etp = world and time real training
+    steps."""
     import torch.distributed as dist
 
     from moecompile.models import build_model
 
     before = measure_rank(world, cpu_time=True)
-    plan = mc.Plan.from_dict({"experts": experts, "parallel": {"ep": world}})
+    plan = mc.Plan.from_dict({"experts": experts, "parallel": {"ep": world // etp, "etp": etp}})
     if world > 1:
         mc.distributed.init(plan)
     model, _ = build_model("small-llama", batch_size=batch, seq_len=seq, seed=0)
@@ -173,19 +175,22 @@ def _train_rank(rank: int, world: int, batch: int, seq: int, steps: int, experts
     return {"bench": bench, "times": times, "cpu": cpu, "profile": profile_result(result) if rank == 0 else None}
 
 
-def cpu_table(eps: tuple[int, ...] = (1, 2, 4), batch: int = 8, seq: int = 128, steps: int = 10) -> list[dict]:
+def cpu_table(layouts: tuple[tuple[int, int], ...] = ((1, 1), (2, 1), (4, 1)), batch: int = 8, seq: int = 128,
+              steps: int = 10) -> list[dict]:
+    """One row per (ep, etp) layout, on ep x etp ranks."""
     experts = {"num_experts": 8, "top_k": 2}
     rows = []
-    for ep in eps:
-        ranks = run_ranks(_train_rank, ep, (batch, seq, steps, experts), threads=1, timeout_s=1800)
+    for ep, etp in layouts:
+        world = ep * etp
+        ranks = run_ranks(_train_rank, world, (batch, seq, steps, experts, etp), threads=1, timeout_s=1800)
         cluster = cluster_from([r["bench"] for r in ranks], 1)
         prof = ranks[0]["profile"]
         cand = Candidate(prof.plan, micro_batch=batch)
-        est = estimate(prof, cluster, cand, batch * ep)
+        est = estimate(prof, cluster, cand, batch * world)
         times = ranks[0]["times"]
         fastest, median, cpu = min(times), statistics.median(times), min(ranks[0]["cpu"])
         local = est.step_s - est.term("dispatch+combine") - est.term("gradient sync")  # work on the rank's own core
-        rows.append(dict(ep=ep, cluster=cluster, est=est, measured=fastest, median=median, cpu=cpu, local=local,
+        rows.append(dict(ep=ep if etp == 1 else f"{ep} x etp {etp}", cluster=cluster, est=est, measured=fastest, median=median, cpu=cpu, local=local,
                          error=(est.step_s - fastest) / fastest, cpu_error=(local - cpu) / cpu))
     return rows
 
@@ -215,13 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--eps", default="1,2,4")
+    ap.add_argument("--eps", default="1,2,4", help="layouts, comma-separated: an ep, or EPxETP (2x2: ep 2 x etp 2)")
     args = ap.parse_args(argv)
     if args.only in (None, "published"):
         print_published(published_table())
     if args.only in (None, "cpu"):
-        eps = tuple(int(e) for e in args.eps.split(","))
-        print_cpu(cpu_table(eps, args.batch, args.seq, args.steps), args.batch, args.seq)
+        layouts = tuple((int(e.split("x")[0]), int(e.split("x")[1]) if "x" in e else 1) for e in args.eps.split(","))
+        print_cpu(cpu_table(layouts, args.batch, args.seq, args.steps), args.batch, args.seq)
     return 0
 
 
