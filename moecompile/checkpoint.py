@@ -105,7 +105,7 @@ def _expert_entry(prefix: str, name: str, shard: Any, i: int, values: torch.Tens
     the row is slice q of expert e and is written as the boxes it covers in the whole expert, so the checkpoint
     loads at any etp (torch.distributed.checkpoint reshards boxes)."""
     j, (lo, hi) = shard.lo + i, parts[me]
-    if shard.slices == 1:
+    if shard.slices == 1 or shard.key not in WIDTH_DIM:  # unsliced, or the output bias slice 0 holds whole
         whole = hi - lo == math.prod(row)
         return f"{prefix}{name}#{j}", values.view(row) if whole else sharded(values, row, parts, me)
     Q, d = shard.slices, WIDTH_DIM[shard.key] - 1

@@ -18,7 +18,9 @@ It moves the same bytes as Megatron's all-to-all + all-gather (and reduce-scatte
 the ETP group: each routed copy goes to Q ranks and Q partial outputs come back. Capacity (static mode)
 is per slice-expert and every slice of e sees exactly e's tokens, so the same tokens drop in each slice.
 Expert tensors keep their names; ``MoEInfo`` says ``num_experts = E*Q`` and ``slices = Q``
-(``moecompile.expert_slices.join_slices`` rebuilds whole experts for export).
+(``moecompile.expert_slices.join_slices`` rebuilds whole experts for export). An output bias (GPT-2's
+``c_proj``) is the expert's, not a sum over the width: slice 0 adds it and the other slices add zeros,
+padded in the graph, so it stays one [E, H] parameter held by the ranks of slice 0.
 
 ``slices_pass(Q)`` runs the same cut as a pass of its own on one process, every slice local: the graph
 one etp group computes, which the planner profiles to price ``parallel.etp = Q`` (planner/profile.py).
@@ -44,9 +46,6 @@ def slice_experts(gm: fx.GraphModule, block: Block, Q: int) -> None:
     """Rewrite ``block`` into E*Q slice-experts (see the module doc); raises ValueError where it cannot."""
     info, E = block.info, block.info["num_experts"]
     params = info["params"]
-    if "b_out" in params:
-        raise ValueError(f"{block.layer}: experts with an output bias cannot be sliced (parallel.etp={Q}): each "
-                         "slice would add the bias once; use parallel.etp: 1 for this model")
     for key in ("w_in", "w_out", "b_in"):
         name = params.get(key)
         if name is None:
@@ -61,6 +60,8 @@ def slice_experts(gm: fx.GraphModule, block: Block, Q: int) -> None:
                              f"is {list(p.shape)}); choose etp among {fits}")
         sliced = cut_slices(p.detach(), key, Q, info["glu"])
         owner._parameters[leaf] = nn.Parameter(sliced, requires_grad=p.requires_grad)
+    if "b_out" in params:
+        _output_bias_on_slice_zero(gm, block, E, Q)
 
     permute, graph = block.permute, gm.graph
     idx_TK, w_TK = permute.args[1:3]
@@ -87,6 +88,23 @@ def slice_experts(gm: fx.GraphModule, block: Block, Q: int) -> None:
             load_E = emit(aten.narrow.default, load, 0, 0, E)  # (overlap's chunks re-sum it before that)
         replace_load(gm, block, load_E)
     info["num_experts"], info["slices"] = E * Q, Q
+
+
+def _output_bias_on_slice_zero(gm: fx.GraphModule, block: Block, E: int, Q: int) -> None:
+    """The down projection's bias is the expert's, not a sum over its width: slice 0 adds it, the others add
+    nothing. It stays one [E, H] parameter of whole experts' biases, padded in the graph with (Q-1)*E zero rows
+    for the later slices' rows (so the zeros are no parameter, get no gradient and cannot drift);
+    ``expert_parallel._shard`` keeps the rows of a rank's slice-0 experts and drops it on the other ranks."""
+    name = block.info["params"]["b_out"]
+    attr = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == name)
+    users = [u for u in block.experts if attr in u.all_input_nodes]
+    with gm.graph.inserting_before(users[0]):
+        pad = gm.graph.call_function(aten.constant_pad_nd.default, (attr, [0, 0, 0, (Q - 1) * E]))
+    pad.meta.update({k: users[0].meta[k] for k in ("nn_module_stack", "stack_trace") if k in users[0].meta})
+    pad.meta["moe"] = {"layer": block.layer, "role": Role.EXPERTS}
+    for u in users:
+        u.replace_input_with(attr, pad)
+    block.experts.insert(block.experts.index(users[0]), pad)  # a node of the section: it moves with the experts
 
 
 def slices_pass(Q: int) -> PassSpec:

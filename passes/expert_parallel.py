@@ -51,6 +51,7 @@ import moecompile.kernels  # noqa: F401  (registers torch.ops.moecompile.*)
 from moecompile import distributed
 from moecompile.distributed import ExpertShard, World
 from moecompile.errors import DistributedError
+from moecompile.expert_slices import whole_experts
 from moecompile.graph import inline, trace_block
 from moecompile.kernels import row_weights
 from moecompile.meta import MoEInfo, Role, moe
@@ -195,6 +196,9 @@ def _shard(gm: fx.GraphModule, block: Block, lo: int, hi: int) -> None:
         name = block.info["params"].get(key)
         if name is None:
             continue
+        if key == "b_out" and block.info.get("slices", 1) > 1:
+            _shard_slice_zero_bias(gm, block, lo, hi)
+            continue
         owner_path, leaf = name.rpartition(".")[::2]
         owner = gm.get_submodule(owner_path)
         p = owner._parameters[leaf]
@@ -204,6 +208,36 @@ def _shard(gm: fx.GraphModule, block: Block, lo: int, hi: int) -> None:
             owner._parameters[leaf] = nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad)
         owner.expert_shard = ExpertShard(lo, hi, E)
     block.info["expert_range"] = (lo, hi)
+
+
+def _shard_slice_zero_bias(gm: fx.GraphModule, block: Block, lo: int, hi: int) -> None:
+    """Under ``parallel.etp`` the output bias is [E, H], whole experts', added by slice 0 and padded with zero rows
+    for the later slices (ep_slices.py). Slice-experts [lo, hi) keep its rows [lo, min(hi, E)) and a zero row for
+    each of theirs in a later slice; a rank holding only later slices keeps none of it: its GEMM has no bias."""
+    info = block.info
+    E, name = whole_experts(info), info["params"]["b_out"]
+    owner_path, leaf = name.rpartition(".")[::2]
+    owner = gm.get_submodule(owner_path)
+    p = owner._parameters[leaf]
+    attr = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == name)
+    pad = next(u for u in attr.users if u.target is aten.constant_pad_nd.default)
+    keep = max(0, min(hi, E) - lo)
+    if keep == 0:
+        for u in list(pad.users):
+            u.update_arg(u.args.index(pad), None)
+        block.experts.remove(pad)
+        gm.graph.erase_node(pad)
+        gm.graph.erase_node(attr)
+        del owner._parameters[leaf], info["params"]["b_out"]
+        return
+    if keep != p.shape[0]:
+        owner._parameters[leaf] = nn.Parameter(p.detach()[lo:lo + keep].clone(), requires_grad=p.requires_grad)
+    if keep == hi - lo:  # only slice-0 experts here: nothing to pad
+        pad.replace_all_uses_with(attr)
+        block.experts.remove(pad)
+        gm.graph.erase_node(pad)
+    else:
+        pad.update_arg(1, [0, 0, 0, hi - lo - keep])
 
 
 def replace_load(gm: fx.GraphModule, block: Block, load: fx.Node) -> None:

@@ -55,14 +55,16 @@ def test_an_experts_slices_add_up_to_it(glu, Q):
         assert torch.equal(join_slices(cut_slices(t, key, Q, glu), key, Q, glu), t)
 
 
-@pytest.mark.parametrize("Q", [2, 4])
-def test_the_sliced_graph_on_one_process_computes_the_unsliced_one(Q):
+@pytest.mark.parametrize("model,Q", [("tiny-llama", 2), ("tiny-llama", 4), ("tiny-gpt2", 2)])
+def test_the_sliced_graph_on_one_process_computes_the_unsliced_one(model, Q):
     """slices_pass: the graph the planner prices etp on, whose every slice is local: the same logits, the
-    whole experts' gradients when the slices' are joined, the same loads and router loss."""
+    whole experts' gradients when the slices' are joined, the same loads and router loss. GPT-2's experts have
+    biases: the up projection's is cut with the width, the down projection's is added by slice 0 alone."""
+    from moecompile.bucket_layout import moe_blocks
     from moecompile.models import build_model
     from moecompile.passes.ep_slices import slices_pass
 
-    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=2, seq_len=8)
+    dense, (ids,) = build_model(model, vocab_size=256, batch_size=2, seq_len=8)
     plan = {"experts": EXPERTS}
     whole, sliced = mc.convert(dense, plan, (ids,)), mc.convert(dense, plan, (ids,), passes=[slices_pass(Q)])
     assert sliced.record("expert_slices").data["slices"] == Q
@@ -75,9 +77,11 @@ def test_the_sliced_graph_on_one_process_computes_the_unsliced_one(Q):
     torch.testing.assert_close(outs[1][1], outs[0][1])
     assert {k: v.tolist() for k, v in outs[1][2].items()} == {k: v.tolist() for k, v in outs[0][2].items()}
     grads = {n: p.grad for n, p in sliced.module.named_parameters()}
+    keys = {name: (key, info["glu"]) for info in moe_blocks(sliced.module).values()
+            for key, name in info["params"].items() if key in ("w_in", "w_out", "b_in")}
+    assert len(keys) == (6 if model == "tiny-gpt2" else 4)  # 2 layers: w_in, w_out (and b_in)
     for name, p in whole.module.named_parameters():
-        key = {"w_gate_up": "w_in", "w_down": "w_out"}.get(name.rsplit(".", 1)[1])
-        g = join_slices(grads[name], key, Q, True) if key and ".experts." in name else grads[name]
+        g = join_slices(grads[name], keys[name][0], Q, keys[name][1]) if name in keys else grads[name]
         torch.testing.assert_close(g, p.grad, msg=name)
 
 
@@ -291,8 +295,30 @@ def test_an_adopted_deepseek_v3_block_slices_too():
         _same_run(r[2], r[1])
 
 
+def gpt2_worker(rank: int, world: int, out: str) -> dict:
+    """GPT-2's experts have an output bias: at etp = 2 rank 0 (slice 0) holds it and adds it, rank 1 has none."""
+    _, _, dp = _step({"experts": EXPERTS}, GLOBAL_BATCH // world, "tiny-gpt2")
+    _, result, etp = _step({"experts": EXPERTS, "parallel": {"etp": 2}}, GLOBAL_BATCH // world, "tiny-gpt2")
+    res = {"dp": _run({}, rank, world, STEPS + 1, dp), "etp": _run({}, rank, world, STEPS, etp),
+           "biases": {n: tuple(p.shape) for n, p in result.module.named_parameters() if n.endswith("experts.b_down")}}
+    etp.save(Path(out) / "gpt2")
+    _, _, back = _step({"experts": EXPERTS}, GLOBAL_BATCH // world, "tiny-gpt2")
+    back.load(Path(out) / "gpt2")  # etp = 1: each rank reads every expert's bias, written by rank 0
+    res["resumed_etp1"] = _metrics(back(_data().shard(STEPS, rank, world)))
+    return res
+
+
+@pytest.mark.distributed
+def test_experts_with_an_output_bias_slice_and_slice_zero_adds_it(tmp_path):
+    ranks = spawn(gpt2_worker, 2, (str(tmp_path),), timeout=300)
+    for r in ranks:
+        _same_run(r["etp"], r["dp"][:STEPS])
+        _same_run([r["resumed_etp1"]], r["dp"][STEPS:])
+    assert sorted(ranks[0]["biases"].values()) == [(4, 32), (4, 32)]  # both layers' [E, H], on slice 0's rank
+    assert ranks[1]["biases"] == {}
+
+
 @pytest.mark.parametrize("model,Q,error", [
-    ("tiny-gpt2", 2, "output bias cannot be sliced"),  # each slice would add the down projection's bias again
     ("tiny-llama", 7, "parallel.etp=7 must divide each expert's FFN width"),
 ])
 def test_experts_that_cannot_be_sliced_say_why(model, Q, error):
