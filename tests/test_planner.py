@@ -485,6 +485,28 @@ def test_the_planner_prices_the_buckets_in_flight_as_the_memory_estimator_does()
         assert gathered_bytes(graph, zero3, 8) == z3.in_flight_params > 0
 
 
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-qwen2"])
+def test_a_config_with_per_layer_attention_kinds_is_rebuilt_at_fewer_layers(model):
+    """Qwen2/3 configs list each layer's attention kind (layer_types); the 1-layer rebuild keeps the first one
+    (it had raised transformers' own validation error for 1 layer against 2 kinds)."""
+    prof = profile_config(model, seq_len=8, experts=TINY)
+    assert prof.num_layers == 2 and prof.flops == profile_config("tiny-llama", seq_len=8, experts=TINY).flops
+
+
+@pytest.mark.parametrize("sections", [
+    {"fp8": {"recipe": "tensorwise"}}, {"fp8": {"recipe": "blockwise"}}, {"recompute": {"modules": ["moe"]}},
+    {"experts": {"apply_weights": "combine"}}, {"parallel": {"etp": 2}},
+    {"parallel": {"etp": 2}, "fp8": {"recipe": "blockwise", "modules": ["experts", "attention_proj"]}},
+])
+def test_no_graph_variant_changes_the_forward_flops(sections):
+    """Recompute, FP8, where the routing weights go and expert slices change how the work is done, not how much:
+    a variant's profile counts the FLOPs of the plain graph (FP8 GEMMs had counted none)."""
+    plain = profile_config("tiny-llama", seq_len=8, experts=TINY)
+    variant = profile_config("tiny-llama", seq_len=8, experts=TINY, sections=sections)
+    assert variant.flops == plain.flops
+    assert [lp.flops for lp in variant.layers] == [lp.flops for lp in plain.layers]
+
+
 def test_a_gpt2_config_is_profiled_layer_by_layer():
     """GPT-2 keeps its blocks in transformer.h and its FFN width in n_inner (None: 4 x hidden): the profile finds
     both (it had counted every op once, in the base, and no experts), and lays the parameters out as the graph."""

@@ -55,6 +55,8 @@ class MoEArch:
         from transformers import AutoConfig
 
         fields = {**self.base, "num_hidden_layers": layers, self.ffn_field: intermediate}
+        if isinstance(fields.get("layer_types"), list):  # per-layer attention kinds (Qwen2/3...): the first layers'
+            fields["layer_types"] = fields["layer_types"][:layers]
         if self.model_type == "deepseek_v3":
             fields["first_k_dense_replace"] = layers  # every layer a dense MLP; upcycle makes the MoE
         return AutoConfig.for_model(self.model_type, **fields)
