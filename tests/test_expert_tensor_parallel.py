@@ -131,6 +131,7 @@ def two_rank_worker(rank: int, world: int, out: str) -> dict:
     dense, result, step = _step({"experts": EXPERTS, "parallel": {"etp": 2}}, GLOBAL_BATCH // world)
     res["etp"] = _run({}, rank, world, STEPS, step)
     res["shapes"] = {n: tuple(p.shape) for n, p in result.module.named_parameters() if ".experts." in n}
+    res["profile"] = _profile_facts(result)
     step.save(Path(out) / "ckpt")
     export_hf(result, Path(out) / "hf", arch="mixtral", config=dense.config)  # the checkpoint's weights
     ids = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(3))
@@ -214,6 +215,29 @@ def test_etp2_trains_step_for_step_like_etp1():
 
     half = load_config("tiny-llama").intermediate_size // 2
     assert w_in[0] == w_out[0] == 4 and w_in[1] == 2 * half and w_out[2] == half
+
+
+def _profile_facts(result) -> tuple:
+    """What the planner reads off a graph for etp: its slices, the whole model's expert parameters, the routed
+    rows' bytes a rank sends and the GEMMs' FLOPs."""
+    from moecompile.planner import profile_result
+
+    prof = profile_result(result)
+    moe = [lp for lp in prof.layers if lp.kind == "moe"]
+    return prof.etp, prof.expert_params, [lp.dispatch_bytes for lp in moe], [lp.flops for lp in moe]
+
+
+@pytest.mark.distributed
+def test_the_planner_reads_an_etp2_rank_as_the_one_process_graph_in_slices():
+    """profile_result of a rank's etp = 2 graph (half of every expert, collectives in it) gives the planner what
+    the one-process sliced graph does, which is what it prices etp plans on."""
+    from moecompile.models import build_model
+    from moecompile.passes.ep_slices import slices_pass
+
+    _, ranks = two_ranks()
+    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=GLOBAL_BATCH // 2, seq_len=SEQ)
+    one = _profile_facts(mc.convert(dense, {"experts": EXPERTS}, (ids,), passes=[slices_pass(2)]))
+    assert one[0] == 2 and all(r["profile"] == one for r in ranks)  # expert rows priced balanced on a rank
 
 
 @pytest.mark.distributed
