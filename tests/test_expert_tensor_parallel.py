@@ -320,7 +320,8 @@ def test_an_adopted_deepseek_v3_block_slices_too():
 
 
 def gpt2_worker(rank: int, world: int, out: str) -> dict:
-    """GPT-2's experts have an output bias: at etp = 2 rank 0 (slice 0) holds it and adds it, rank 1 has none."""
+    """GPT-2's experts have an output bias: at etp = 2 on 4 ranks, ranks 0 and 2 (slice 0) hold it and add it,
+    ranks 1 and 3 have none."""
     _, _, dp = _step({"experts": EXPERTS}, GLOBAL_BATCH // world, "tiny-gpt2")
     _, result, etp = _step({"experts": EXPERTS, "parallel": {"etp": 2}}, GLOBAL_BATCH // world, "tiny-gpt2")
     res = {"dp": _run({}, rank, world, STEPS + 1, dp), "etp": _run({}, rank, world, STEPS, etp),
@@ -329,17 +330,26 @@ def gpt2_worker(rank: int, world: int, out: str) -> dict:
     _, _, back = _step({"experts": EXPERTS}, GLOBAL_BATCH // world, "tiny-gpt2")
     back.load(Path(out) / "gpt2")  # etp = 1: each rank reads every expert's bias, written by rank 0
     res["resumed_etp1"] = _metrics(back(_data().shard(STEPS, rank, world)))
+    _, _, zero = _step({"experts": EXPERTS, "parallel": {"etp": 2, "shard_optimizer": True}}, GLOBAL_BATCH // world,
+                       "tiny-gpt2")
+    zero.load(Path(out) / "gpt2")  # the bias and its optimizer state in ranges over slice 0's ranks (0 and 2)
+    zero.save(Path(out) / "gpt2-zero")
+    _, _, back = _step({"experts": EXPERTS}, GLOBAL_BATCH // world, "tiny-gpt2")
+    back.load(Path(out) / "gpt2-zero")
+    res["resumed_zero_etp1"] = _metrics(back(_data().shard(STEPS, rank, world)))
     return res
 
 
 @pytest.mark.distributed
 def test_experts_with_an_output_bias_slice_and_slice_zero_adds_it(tmp_path):
-    ranks = spawn(gpt2_worker, 2, (str(tmp_path),), timeout=300)
+    ranks = spawn(gpt2_worker, 4, (str(tmp_path),), timeout=400)
     for r in ranks:
         _same_run(r["etp"], r["dp"][:STEPS])
         _same_run([r["resumed_etp1"]], r["dp"][STEPS:])
-    assert sorted(ranks[0]["biases"].values()) == [(4, 32), (4, 32)]  # both layers' [E, H], on slice 0's rank
-    assert ranks[1]["biases"] == {}
+        _same_run([r["resumed_zero_etp1"]], r["dp"][STEPS:])
+    for holder in (ranks[0], ranks[2]):  # both layers' [E, H], on slice 0's ranks
+        assert sorted(holder["biases"].values()) == [(4, 32), (4, 32)]
+    assert ranks[1]["biases"] == ranks[3]["biases"] == {}
 
 
 @pytest.mark.parametrize("model,Q,error", [
