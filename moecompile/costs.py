@@ -308,7 +308,10 @@ def layer_rows(graph: fx.Graph) -> dict[str, int]:
     dropless dispatch (data-dependent; with balanced routing a rank receives what it sends)."""
     out = {}
     for node in graph.nodes:
-        if str(node.target) == "moecompile.permute.default":
+        routed = (node.meta.get("moe") or {}).get("routed_rows")  # a dispatcher without a permute (ep_dedup)
+        if routed is not None and node.meta["moe"].get("layer"):
+            out[node.meta["moe"]["layer"]] = int(routed)
+        elif str(node.target) == "moecompile.permute.default":
             val = node.meta.get("val")
             layer = (node.meta.get("moe") or {}).get("layer")
             if isinstance(val, (tuple, list)) and isinstance(val[0], torch.Tensor) and layer:

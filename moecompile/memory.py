@@ -225,6 +225,8 @@ class _FakeRun:
         fake tensors: take balanced routing, the layer's permuted rows N over ep (rows to/from each rank)."""
         if self.mode is None or self.ep <= 1 or node.target is not torch.ops.aten._local_scalar_dense.default:
             return None
+        if "balanced" in node.meta.get("moe", {}):  # the dispatcher said what balance means for it (ep_dedup)
+            return int(node.meta["moe"]["balanced"])
         seen, stack = set(), list(node.all_input_nodes)
         while stack:
             n = stack.pop()

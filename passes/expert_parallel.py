@@ -20,6 +20,9 @@ After, ``alltoall`` (rank keeps experts [lo, hi), L = E/ep of them; M rows arriv
 ``parallel.etp``: each expert is first cut along its FFN width into etp slice-experts, a token routed to all
 of its expert's slices (ep_slices.py); everything here then runs over the E*etp slice-experts and ep*etp ranks.
 
+``alltoall_dedup`` (ep_dedup.py): each token once to every rank holding one of its experts, that rank's
+partial sum back.
+
 ``allgather``: gather x_TH / idx_TK / w_TK of the ep group, permute the gathered tokens to the
 local experts, run them, unpermute into a partial [ep*T, H], reduce-scatter the sum back.
 ``static`` mode: the permute keeps C rows per expert (parallel.capacity_factor, per source rank),
@@ -285,7 +288,7 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             layers.append(block.layer)
             continue
         assert world is not None
-        from . import ep_allgather, ep_alltoall  # they build on Emit / Block above
+        from . import ep_allgather, ep_alltoall, ep_dedup  # they build on Emit / Block above
 
         em, weights = Emit(gm, block, world.ep_group_name), ""
         if cfg.dispatcher == "alltoall":
@@ -294,6 +297,9 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 weights = (", routing weights packed into the rows' all-to-all" if pack else
                            ", routing weights in an all-to-all of their own")
             ep_alltoall.rewrite(gm, em, world, capacity, pack_weights=pack)
+        elif cfg.dispatcher == "alltoall_dedup":
+            assert capacity is None  # the plan allows it dropless only
+            ep_dedup.rewrite(gm, em, world, ctx.plan.experts.top_k * cfg.etp)
         else:
             ep_allgather.rewrite(gm, em, world, capacity)
         ctx.decide(

@@ -40,10 +40,13 @@ class ParallelConfig(Section):
         "experts, or experts too wide for one). A token routed to an expert goes to every slice and the slices' "
         "outputs add up; this is exact, as the down projection sums over the FFN width.",
     )
-    dispatcher: Literal["alltoall", "allgather"] = doc_field(
+    dispatcher: Literal["alltoall", "allgather", "alltoall_dedup"] = doc_field(
         "alltoall",
-        "How tokens reach their experts: all-to-all of the routed copies (bytes ~ T*k*H), or all-gather "
-        "of the tokens and reduce-scatter of the outputs (bytes ~ ep*T*H; no count exchange).",
+        "How tokens reach their experts: all-to-all of the routed copies (bytes ~ T*k*H), all-gather "
+        "of the tokens and reduce-scatter of the outputs (bytes ~ ep*T*H; no count exchange), or "
+        "alltoall_dedup: all-to-all of each token once per rank that holds one of its experts (bytes ~ "
+        "T*H times the distinct ranks of its k experts, at most min(k, ep)), the rank's partial sum coming back "
+        "(dropless only; no overlap chunks yet).",
     )
     dispatch_mode: Literal["dropless", "static"] = doc_field(
         "dropless",
@@ -164,6 +167,9 @@ class ParallelConfig(Section):
 
     def check_against(self, experts: "ExpertsConfig") -> None:
         """Rules between ``parallel`` and ``experts`` (called by ``Plan.validate``)."""
+        if self.dispatcher == "alltoall_dedup" and self.dispatch_mode == "static":
+            self.fail("dispatcher", "'alltoall_dedup' sends a variable number of distinct tokens per rank, so it is "
+                      "dropless only: use dispatch_mode: dropless, or dispatcher 'alltoall' for static capacity")
         E = experts.num_experts
         if E % self.ep:
             self.fail("ep", f"must divide experts.num_experts={E} (each of the ep={self.ep} ranks keeps E/ep experts)")

@@ -9,7 +9,9 @@ The model, per micro-batch and rank (T tokens of the micro-batch, /tp with seque
   BACKWARD_FACTOR x forward; recompute re-runs the forward of the recomputed ops.
 - dispatch/combine: bytes of the routed rows (the permute output in the graph: T*k*H elements)
   times the share that leaves the rank, split by where the peers are (NVLink vs NIC), plus a
-  latency per exchange; forward dispatch + combine and their backward mirrors.
+  latency per exchange; forward dispatch + combine and their backward mirrors. ``alltoall_dedup``
+  sends each token once per distinct rank of its experts (their expected number under uniform
+  routing, :func:`distinct_ranks`) with its k expert ids and weights; ``allgather`` every peer's tokens.
 - overlap: with the overlap pass's N chunks the MoE block runs as a 3-stage pipeline
   (dispatch, experts, combine): (d + c + b)/N + (N-1)/N * max(c, d + b); what exceeds the expert
   compute c (and the shared experts, which are independent of the exchange) is exposed. Megatron's 1F1B overlap ("1f1b", validation only) hides a layer's
@@ -78,6 +80,7 @@ ADAMW_STATE_BYTES = 8  # exp_avg + exp_avg_sq in fp32 per parameter (build_train
 # NCCL's IN_FLIGHT reduce-scatters + the bucket backward fills. An approximation, not a bound (a second bucket
 # may fill side by side, dense and expert, and the received ranges are alive too)
 IN_FLIGHT_BUCKETS = IN_FLIGHT + 1
+DEDUP_ID_BYTES = 12  # alltoall_dedup sends each token's k expert ids (int64) and routing weights (fp32)
 HOST_TERM = "optimizer on host"  # the memory term in host memory (parallel.offload_optimizer), not the device's
 _FP8_CATEGORY = {"experts": "experts", "shared_experts": "shared_experts", "dense": "dense_mlp",
                  "attention_proj": "attention_proj"}
@@ -311,6 +314,26 @@ def _packs_weights(par: Any, cluster: Cluster, rows_bytes: float) -> bool:
     return par.packs_routing_weights(rows_bytes, "cpu" if cluster.name.startswith("cpu") else "cuda")
 
 
+def distinct_ranks(num_experts: int, top_k: int, ep: int, etp: int = 1) -> float:
+    """Expected distinct ranks a token's k experts sit on under uniform routing: ep ranks of E/ep experts each,
+    a rank missed with probability C(E - E/ep, k) / C(E, k); under etp each expert's slices on etp more."""
+    import math
+
+    E, per = num_experts, num_experts // ep
+    missed = math.comb(E - per, top_k) / math.comb(E, top_k) if top_k <= E - per else 0.0
+    return etp * ep * (1.0 - missed)
+
+
+def _dispatch_payload(profile: ModelProfile, cand: Candidate, lp: LayerProfile, scale: float, pad: float) -> float:
+    """Bytes of one dispatch (or combine) of the layer on one rank, before the share that stays on the rank."""
+    par, tokens = cand.plan.parallel, lp.hidden_bytes * scale / cand.tp
+    if par.dispatcher == "allgather":  # every peer's tokens gathered, the partial sums reduce-scattered back
+        return tokens * cand.expert_ranks
+    if par.dispatcher == "alltoall_dedup":  # each token once per distinct rank of its experts
+        return tokens * distinct_ranks(profile.num_experts, profile.top_k, cand.ep, cand.etp)
+    return lp.dispatch_bytes * scale / cand.tp * pad  # every routed copy
+
+
 def _exchange(cluster: Cluster, payload: float, size: int, stride: int = 1) -> tuple[float, str]:
     """An all-to-all-like exchange in a group: each rank sends ``payload`` x (size-1)/size to its peers."""
     if size <= 1 or payload <= 0:
@@ -370,13 +393,14 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
         fwd += lt["total"] * lp.count
         rc += lt["recompute"] * lp.count
         if lp.kind == "moe" and ep > 1:
-            if par.dispatcher == "allgather":
-                payload = lp.hidden_bytes * scale / tp * ep  # gather every peer's tokens, reduce-scatter back
-            else:
-                payload = lp.dispatch_bytes * scale / tp * times.pad
+            payload = _dispatch_payload(profile, cand, lp, scale, times.pad)
             t, a2a_detail = _exchange(cluster, payload, ep)
             lat = cluster.link(cluster.span(ep)).latency
-            count_x = lat if par.dispatch_mode == "dropless" and par.dispatcher == "alltoall" else 0.0
+            count_x = lat if par.dispatch_mode == "dropless" and par.dispatcher != "allgather" else 0.0
+            if par.dispatcher == "alltoall_dedup":  # each sent token's k expert ids and weights, the weights' grad back
+                ids = payload / lp.hidden_bytes * profile.tokens * profile.top_k * DEDUP_ID_BYTES
+                weights_how = f" + the tokens' expert ids and weights ({DEDUP_ID_BYTES} B each of k)"
+                count_x += 2 * _exchange(cluster, ids, ep)[0]
             if par.dispatcher == "alltoall" and lp.row_weight_bytes:  # each row's weight goes, its gradient returns
                 w_bytes = lp.row_weight_bytes * scale / tp * times.pad
                 weights_how = " + the routing weights' 2"
@@ -423,8 +447,7 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
                           + weights_how + f" ({how})" + (f"; in groups of ep x etp = {ep}, each routed row sent to "
                                                          f"its expert's {cand.etp} slices" if cand.etp > 1 else "")))
         if cand.overlap_chunks or cand.ep_overlap_1f1b:
-            raw = sum(4 * _exchange(cluster, (lp.hidden_bytes * ep if par.dispatcher == "allgather"
-                                              else lp.dispatch_bytes * times.pad) * scale / tp, ep)[0] * lp.count
+            raw = sum(4 * _exchange(cluster, _dispatch_payload(profile, cand, lp, scale, times.pad), ep)[0] * lp.count
                       for lp in profile.layers if lp.kind == "moe")
             terms.append(Term("dispatch+combine hidden", m * max(0.0, raw - a2a_exposed) / pp,
                               "exchange time hidden behind compute", counted=False))

@@ -364,6 +364,11 @@ def _moe_bytes(pairs: list[tuple[fx.Node, NodeCost]]) -> tuple[float, float, flo
             n_rows = x_NH.shape[0] if isinstance(x_NH, torch.Tensor) and isinstance(x_NH.shape[0], int) else None
             x = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
             hidden = float(costs.tensor_bytes(x) or 0)
+        elif node.meta.get("moe", {}).get("routed_rows") and not rows:  # alltoall_dedup: the pairs it stands for
+            x = node.args[0].meta.get("val")
+            hidden = float(costs.tensor_bytes(x) or 0)
+            n_rows = int(node.meta["moe"]["routed_rows"])
+            rows = hidden / x.shape[0] * n_rows
         elif node.target is mc.glu.default and len(node.args) > 2 and isinstance(node.args[2], fx.Node):
             w = node.args[2].meta.get("val")
             if isinstance(w, torch.Tensor):

@@ -45,7 +45,7 @@ class SearchSpace:
     """Which knobs to enumerate; ``available()`` switches off those whose pass is not registered."""
 
     expert_parallel: bool = True
-    dispatchers: tuple[str, ...] = ("alltoall", "allgather")
+    dispatchers: tuple[str, ...] = ("alltoall", "allgather", "alltoall_dedup")
     dispatch_modes: tuple[str, ...] = ("dropless", "static")
     capacity_factors: tuple[float, ...] = (1.0, 1.25)
     overlap_chunks: tuple[int, ...] = ()  # () while no overlap pass/section exists
@@ -219,6 +219,7 @@ def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, spa
         comm = [("alltoall", "dropless", None, None)]
         if ep * etp > 1:
             comm = [(d, m, cf, w) for d in space.dispatchers for m in space.dispatch_modes
+                    if not (d == "alltoall_dedup" and m == "static")  # dropless only (a variable token count)
                     for cf in (space.capacity_factors if m == "static" else (None,))
                     for w in (placements if d == "alltoall" else placements[:1])]
         chunk_opts = [0] + [c for c in overlap_chunks if ep * etp > 1]

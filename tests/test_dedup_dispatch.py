@@ -1,0 +1,161 @@
+"""The ``alltoall_dedup`` dispatcher: a token goes once to each rank holding one of its experts.
+
+Oracles: the same run in one process per rank (data parallel, ep = 1): losses, gradient norms and
+expert loads step for step; and the routing itself: the rows a rank sends are exactly its tokens'
+distinct (token, other rank) pairs, where the alltoall dispatcher sends every routed copy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import moecompile as mc
+from moecompile.bucket_layout import moe_blocks
+from moecompile.errors import PlanError
+
+from _dist import spawn
+from test_expert_tensor_parallel import EXPERTS, GLOBAL_BATCH, STEPS, _data, _run, _same_run, _step
+
+_A2A = torch.ops._c10d_functional.all_to_all_single.default
+
+
+class RowsSent(TorchDispatchMode):
+    """Rows of hidden states each all-to-all hands to other ranks (a forward's dispatches and combines, in turn:
+    [N, H], or [N, H + 1] with the routing weights packed in), and the routing the step computed."""
+
+    def __init__(self, rank: int, hidden: int):
+        super().__init__()
+        self.rank, self.hidden, self.rows, self.idx = rank, hidden, [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        x = args[0] if args else None
+        if func is _A2A and x.dim() == 2 and x.shape[1] in (self.hidden, self.hidden + 1) and x.is_floating_point():
+            self.rows.append(sum(int(s) for j, s in enumerate(args[2]) if j != self.rank))
+        if func is torch.ops.moecompile.route.default:
+            self.idx.append(out[1].clone())
+        return out
+
+
+def _rows_sent(result, ids, rank: int, ranks: int) -> tuple[int, int, int]:
+    """(rows the dispatch sent off-rank, distinct (token, other rank) pairs, routed copies to other ranks)."""
+    hidden = next(p for n, p in result.module.named_parameters() if n.endswith("experts.w_down")).shape[1]
+    meter = RowsSent(rank, hidden)
+    with torch.no_grad(), meter:
+        result.module(ids)
+    info = next(iter(moe_blocks(result.module).values()))
+    L = info["num_experts"] // ranks
+    distinct = copies = 0
+    for idx in meter.idx:
+        if info.get("slices", 1) > 1:  # a token goes to each slice of its experts
+            E = info["num_experts"] // info["slices"]
+            idx = torch.cat([idx + q * E for q in range(info["slices"])], 1)
+        dest = idx // L
+        copies += int((dest != rank).sum())
+        distinct += sum(len(set(row.tolist()) - {rank}) for row in dest)
+    return sum(meter.rows[0::2]), distinct, copies  # each layer's dispatch, then its combine
+
+
+def dedup_worker(rank: int, world: int) -> dict:
+    combine = {**EXPERTS, "apply_weights": "combine"}
+    res = {"dp": _run({"experts": EXPERTS}, rank, world, STEPS), "dp_combine": _run({"experts": combine}, rank, world,
+                                                                                      STEPS)}
+    for name, parallel in (("dedup", {"ep": world, "dispatcher": "alltoall_dedup"}),
+                           ("dedup_etp", {"ep": world // 2, "etp": 2, "dispatcher": "alltoall_dedup"}),
+                           ("alltoall", {"ep": world})):
+        for weights in ("auto", "combine"):
+            experts = {**EXPERTS, "apply_weights": weights}
+            _, result, step = _step({"experts": experts, "parallel": parallel}, GLOBAL_BATCH // world)
+            res[name, weights] = _run({}, rank, world, STEPS, step)
+            ids = _data().shard(0, rank, world)[0]
+            res[name, weights, "rows"] = _rows_sent(result, ids, rank, world)
+    return res
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+def test_dedup_trains_like_one_process_and_sends_each_token_once_per_rank(world):
+    for r in spawn(dedup_worker, world, (), timeout=400):
+        for name in ("dedup", "dedup_etp", "alltoall"):
+            _same_run(r[name, "auto"], r["dp"])
+            _same_run(r[name, "combine"], r["dp_combine"])
+        sent, distinct, copies = r["dedup", "auto", "rows"]
+        assert sent == distinct
+        # 2 ranks of 2 experts: some tokens have both of theirs on one rank; 4 ranks of 1: none can
+        assert distinct < copies if world == 2 else distinct == copies
+        sent, distinct, copies = r["alltoall", "auto", "rows"]
+        assert sent == copies
+        sent, distinct, copies = r["dedup_etp", "auto", "rows"]
+        assert sent == distinct <= copies
+
+
+def test_dedup_is_dropless_and_not_chunked_yet():
+    with pytest.raises(PlanError, match="'alltoall_dedup' sends a variable number.*dropless only"):
+        mc.Plan.from_dict({"experts": {**EXPERTS, "capacity_factor": 1.0},
+                           "parallel": {"ep": 2, "dispatcher": "alltoall_dedup", "dispatch_mode": "static"}})
+    with pytest.raises(PlanError, match="does not chunk the 'alltoall_dedup' dispatcher"):
+        mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 2, "dispatcher": "alltoall_dedup"},
+                           "overlap": {"enabled": True}})
+
+
+# ---------------------------------------------------------------- the planner
+
+
+@pytest.mark.parametrize("E,k,ep,etp", [(8, 2, 2, 1), (8, 2, 4, 1), (12, 3, 3, 1), (8, 2, 2, 2), (6, 6, 3, 1)])
+def test_the_planner_counts_a_tokens_distinct_ranks_exactly(E, k, ep, etp):
+    """distinct_ranks: the mean over every set of k experts of the ranks they sit on (slices on etp more)."""
+    import itertools
+
+    from moecompile.planner.cost_model import distinct_ranks
+
+    sets = list(itertools.combinations(range(E), k))
+    mean = sum(len({e // (E // ep) for e in s}) for s in sets) / len(sets)
+    assert distinct_ranks(E, k, ep, etp) == pytest.approx(etp * mean)
+
+
+def test_the_planner_prices_dedup_by_the_distinct_ranks_and_searches_it_dropless():
+    import transformers
+
+    from moecompile.planner import Candidate, SearchSpace, enumerate_candidates, estimate, preset, profile_config
+    from moecompile.planner.cost_model import distinct_ranks
+
+    fine = {"num_experts": 64, "top_k": 8}
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=1024, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=8)
+    prof = profile_config(cfg, seq_len=4096, experts=fine)  # bandwidth-bound exchanges, not latency
+    cluster = preset("h100", 4)
+    terms = {}
+    for d in ("alltoall", "alltoall_dedup"):
+        plan = mc.Plan.from_dict({"experts": fine, "parallel": {"ep": 4, "dispatcher": d}})
+        est = estimate(prof, cluster, Candidate(plan), global_batch=4)
+        terms[d] = est.term("dispatch+combine")
+    ratio = distinct_ranks(64, 8, 4) / 8  # ~0.46 of the copies; the ids and weights and latencies on top
+    assert ratio < terms["alltoall_dedup"] / terms["alltoall"] < ratio + 0.15
+    cands, _ = enumerate_candidates(fine, cluster, 4, SearchSpace(expert_parallel=True, micro_batches=(1,)))
+    modes = {c.plan.parallel.dispatch_mode for c in cands if c.plan.parallel.dispatcher == "alltoall_dedup"}
+    assert modes == {"dropless"}
+
+
+def test_a_dedup_graph_is_estimated_and_profiled_as_the_alltoall_one():
+    """The memory estimator takes balanced counts for its data-dependent splits (the dispatcher states them), and
+    the planner's profile finds the routed rows it stands for: the same bytes and FLOPs as the alltoall graph."""
+    from moecompile.models import build_model
+    from moecompile.planner import profile_result
+
+    from _dist import fake_rank
+
+    out = {}
+    with fake_rank(0, 2, ep_step=True):
+        for dispatcher in ("alltoall", "alltoall_dedup"):
+            dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=2, seq_len=16)
+            plan = mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 2, "dispatcher": dispatcher}})
+            mc.distributed.init(plan)
+            result = mc.convert(dense, plan, (ids,))
+            prof = profile_result(result)
+            out[dispatcher] = (mc.estimate_memory(result).activations, prof.flops,
+                               [lp.dispatch_bytes for lp in prof.layers])
+    (act, flops, rows), (act_d, flops_d, rows_d) = out["alltoall"], out["alltoall_dedup"]
+    assert flops_d == flops and rows_d == rows and rows[1] > 0
+    assert 0.8 * act < act_d < 1.25 * act  # its own buffers: the ids, weights and sort keys of the tokens it sends
