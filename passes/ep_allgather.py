@@ -25,7 +25,7 @@ from moecompile.distributed import ALL_GATHER, REDUCE_SCATTER, World
 from moecompile.meta import Role
 
 from .ep_alltoall import _swap_blocks, _swap_rows
-from .expert_parallel import Emit, replace_load, rewire_experts
+from .expert_parallel import Block, Emit, replace_load, rewire_experts
 
 aten, mc = torch.ops.aten, torch.ops.moecompile
 D, CC = Role.DISPATCH, Role.COMBINE_COMM
@@ -84,7 +84,12 @@ def rewrite(gm: fx.GraphModule, em: Emit, world: World, capacity: int | None) ->
         partial_GH = em(CC, mc.unpermute.default, y_mine, row_src_mine, w_GK, G, w_in is None)
         y_TH = em.collective(REDUCE_SCATTER, partial_GH, "sum", P, what="combine")
     block.unpermute.replace_all_uses_with(y_TH)
-    # the local permute and what read it (the combine; the local rows' weights) are replaced
+    erase_local_permute(gm, block, w_old)
+
+
+def erase_local_permute(gm: fx.GraphModule, block: Block, w_old: fx.Node | None) -> None:
+    """The local permute and what read it (the combine; the local rows' weights ``w_old``), once a dispatcher
+    that permutes on the experts' side has replaced them."""
     for n in [block.unpermute, *([w_old] if w_old is not None else []),
               *sorted(block.outs.values(), key=lambda n: -n.args[1]), block.permute]:
         _erase_if_unused(gm, n)

@@ -30,7 +30,7 @@ import torch.fx as fx
 from moecompile.distributed import ALL_TO_ALL, World
 from moecompile.meta import Role
 
-from .ep_allgather import _erase_if_unused
+from .ep_allgather import erase_local_permute
 from .expert_parallel import Emit, replace_load, rewire_experts
 
 aten, mc = torch.ops.aten, torch.ops.moecompile
@@ -123,6 +123,4 @@ def rewrite(gm: fx.GraphModule, em: Emit, world: World, top_k: int) -> None:
         back_NH = em.collective(ALL_TO_ALL, partial_MH, send, recv, what="combine")
         y_TH = em(CC, aten.index_add.default, em(CC, aten.zeros_like.default, x_TH), 0, tok_N, back_NH)
     block.unpermute.replace_all_uses_with(y_TH)
-    for n in [block.unpermute, *([w_old] if w_old is not None else []),
-              *sorted(block.outs.values(), key=lambda n: -n.args[1]), block.permute]:
-        _erase_if_unused(gm, n)
+    erase_local_permute(gm, block, w_old)
