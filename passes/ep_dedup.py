@@ -45,11 +45,16 @@ def _total(em: Emit, counts: list) -> fx.Node:
     return total
 
 
-def balanced_counts(T: int, K: int, E: int, P: int) -> tuple[int, int]:
-    """(tokens, routed pairs) a rank sends each rank under uniform routing: a token reaches a given rank unless
-    none of its K experts is among that rank's E/P, with probability C(E - E/P, K) / C(E, K)."""
+def ranks_reached(E: int, K: int, P: int) -> float:
+    """Expected distinct ranks a token's K experts sit on under uniform routing, P ranks of E/P experts each: a
+    rank is missed when none of the K is among its E/P, with probability C(E - E/P, K) / C(E, K)."""
     missed = math.comb(E - E // P, K) / math.comb(E, K) if K <= E - E // P else 0.0
-    return round(T * (1.0 - missed)), round(T * K / P)
+    return P * (1.0 - missed)
+
+
+def balanced_counts(T: int, K: int, E: int, P: int) -> tuple[int, int]:
+    """(tokens, routed pairs) a rank sends each rank under uniform routing."""
+    return round(T * ranks_reached(E, K, P) / P), round(T * K / P)
 
 
 def rewrite(gm: fx.GraphModule, em: Emit, world: World, top_k: int) -> None:

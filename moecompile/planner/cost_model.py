@@ -68,6 +68,7 @@ from ..kernels.adamw import host_traffic
 from ..grad_shards import IN_FLIGHT
 from ..memory_shards import IN_FLIGHT_PARAM_BUCKETS
 from ..optimizer_offload import transfer_bytes
+from ..passes.ep_dedup import ranks_reached
 from .cluster import GiB, Cluster, Span
 from . import whole_buckets
 from .profile import LayerProfile, ModelProfile, NodeCost
@@ -315,13 +316,9 @@ def _packs_weights(par: Any, cluster: Cluster, rows_bytes: float) -> bool:
 
 
 def distinct_ranks(num_experts: int, top_k: int, ep: int, etp: int = 1) -> float:
-    """Expected distinct ranks a token's k experts sit on under uniform routing: ep ranks of E/ep experts each,
-    a rank missed with probability C(E - E/ep, k) / C(E, k); under etp each expert's slices on etp more."""
-    import math
-
-    E, per = num_experts, num_experts // ep
-    missed = math.comb(E - per, top_k) / math.comb(E, top_k) if top_k <= E - per else 0.0
-    return etp * ep * (1.0 - missed)
+    """Expected distinct ranks a token's k experts sit on under uniform routing (``ep_dedup.ranks_reached`` over
+    the ep ranks of whole experts); under etp each expert's slices sit on etp ranks more."""
+    return etp * ranks_reached(num_experts, top_k, ep)
 
 
 def _dispatch_payload(profile: ModelProfile, cand: Candidate, lp: LayerProfile, scale: float, pad: float) -> float:
