@@ -12,6 +12,13 @@ copies its origin's entry with :func:`copy_moe`. Keys, all optional:
 - ``moe``: on an MoE block's output node, the :class:`MoEInfo` written by ``upcycle``.
 - ``chunk``: the token chunk a node works on (overlap pass).
 - ``group``: the process-group name a collective runs on (expert_parallel pass).
+- ``routed_rows``: on a dispatcher's rows when no permute states them (alltoall_dedup), the routed
+  (token, expert) pairs they stand for; costs and the planner's profile size the layer by it.
+- ``balanced``: on a host-read split of a dropless dispatch, its value under uniform routing (the
+  memory estimator's stand-in for a data-dependent size).
+
+``routed_rows`` and ``balanced`` count the tokens the node works on (TOKEN_COUNTS): a pass that
+splits the tokens (the overlap pass's chunks) scales them to its pieces.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import enum
 from typing import Any, NotRequired, TypedDict
 
 import torch.fx as fx
+
+TOKEN_COUNTS = ("routed_rows", "balanced")  # moe entries that count the tokens a node works on
 
 
 class Role(str, enum.Enum):

@@ -79,7 +79,7 @@ def overlap(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             else:
                 propagate_fake(gm, ctx.example_inputs)  # the chunks' values (dtypes) for what follows
         layer = next(m for m in find_layers(gm) if m.name == layer.name)
-        if cfg.backward and par.dispatcher == "alltoall":
+        if cfg.backward and par.dispatcher != "allgather":
             _make_async(gm, layer)
         _schedule(gm, layer.name, cfg.shared_expert)
         records[layer.name] = _describe(gm, layer.name, n, why)

@@ -27,6 +27,7 @@ import torch.fx as fx
 from moecompile.distributed import World
 from moecompile.graph import get_attr_value
 
+from .ep_dedup import ranks_reached
 from .expert_parallel import row_weights_of
 from .overlap_chunks import MoELayer
 
@@ -141,7 +142,9 @@ def measure(gm: fx.GraphModule, layer: MoELayer, world: World, dispatcher: str, 
         rows = int(layer.permute.args[4]) * layer.info["num_experts"]  # E * C fixed rows
     else:
         rows = T * k
-    payload = (world.ep * T if dispatcher == "allgather" else rows) * H * item
+    sent = {"allgather": world.ep * T,  # every peer's tokens
+            "alltoall_dedup": round(T * ranks_reached(layer.info["num_experts"], k, world.ep))}.get(dispatcher, rows)
+    payload = sent * H * item
     L = max(layer.info["num_experts"] // world.ep, 1)
     small = max(rows // 4, 1)
     x0, x1 = _fit(small, _time_experts(gm, layer, small, L), rows, _time_experts(gm, layer, rows, L))
@@ -151,5 +154,6 @@ def measure(gm: fx.GraphModule, layer: MoELayer, world: World, dispatcher: str, 
     agreed = torch.tensor([x0, x1, a, per_byte], dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=world.ep_group)
     x0, x1, a, per_byte = agreed.tolist()
-    exchanges = 3 if dispatcher == "allgather" else (2 if dropless else 1)
+    # dispatch-side collectives per chunk: allgather x, ids, weights; dedup counts, x, ids, weights
+    exchanges = {"allgather": 3, "alltoall_dedup": 4}.get(dispatcher, 2 if dropless else 1)
     return LayerCosts(rows, payload, exchanges, x0, x1, a, per_byte)

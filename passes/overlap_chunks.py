@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from moecompile import schedule
 from moecompile.distributed import ALL_TO_ALL
-from moecompile.meta import MoEInfo, Role, moe
+from moecompile.meta import TOKEN_COUNTS, MoEInfo, Role, moe
 from moecompile.outputs import add_side_outputs
 
 from .ep_alltoall import _swap_blocks, dispatch_rows
@@ -72,7 +72,7 @@ def find_layers(gm: fx.GraphModule) -> list[MoELayer]:
     for name, nodes in by_layer.items():
         info = next((moe(n)["moe"] for n in nodes if "moe" in moe(n)), None)
         route = next((n for n in nodes if n.target is mc.route.default), None)
-        ends = [n for n in nodes if n.target is mc.unpermute.default or schedule.is_wait(n)]
+        ends = _combine_ends(nodes)
         if info is None or route is None or not ends:
             continue
         routed = [u for u in route.users if u.target is operator.getitem]
@@ -84,6 +84,24 @@ def find_layers(gm: fx.GraphModule) -> list[MoELayer]:
         layers.append(MoELayer(name, info, nodes, x_TH, routed, ends[-1], one(mc.permute.default),
                                one(mc.unpermute.default)))
     return layers
+
+
+def _combine_ends(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The layer's nodes that can hold its combined routed output, in graph order: an unpermute, a wait, or
+    a combine-side op (alltoall_dedup's index_add of the partial sums) downstream of the experts. Only
+    downstream: the global_aux loss's all-reduce of the expert load is a wait of the layer too, but no
+    combine."""
+    experts = [n for n in nodes if moe(n).get("role") in EXPERT_ROLES]
+    members, down, stack = set(nodes), set(), experts[:1]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u in members and u not in down:
+                down.add(u)
+                stack.append(u)
+    return [n for n in nodes if n in down and (
+        n.target is mc.unpermute.default or schedule.is_wait(n)
+        or (moe(n).get("role") == Role.COMBINE_COMM and not schedule.is_free(n)))]
 
 
 @contextlib.contextmanager
@@ -116,6 +134,16 @@ def _erase_dead(graph: fx.Graph, nodes: list[fx.Node]) -> None:
     for n in sorted(nodes, key=lambda n: -order.get(n, -1)):
         if n.graph is graph and n in order and not n.users and n.op == "call_function":
             graph.erase_node(n)
+
+
+def _chunk_meta(m: fx.Node, share: float) -> dict:
+    """``m``'s moe entry for a chunk holding ``share`` of the tokens: the counts that stand for the whole
+    batch's tokens (TOKEN_COUNTS) scaled to the chunk's."""
+    meta = {**m.meta.get("moe", {})}
+    for key in TOKEN_COUNTS:
+        if key in meta:
+            meta[key] = meta[key] * share  # readers take int(): the chunks' shares add up to the whole
+    return meta
 
 
 def chunk_tokens(gm: fx.GraphModule, layer: MoELayer, n: int) -> str | None:
@@ -158,7 +186,7 @@ def chunk_tokens(gm: fx.GraphModule, layer: MoELayer, n: int) -> str | None:
                     new = graph.node_copy(m, lambda a: env.get(a, a))
                     for key in ("val", "tensor_meta", "unbacked_bindings"):
                         new.meta.pop(key, None)
-                    new.meta["moe"] = {**m.meta.get("moe", {})}
+                    new.meta["moe"] = _chunk_meta(m, (hi - lo) / T)
                     _relabel(new, c)
                     env[m] = new
                 for i, u in enumerate(loads):
@@ -172,9 +200,26 @@ def chunk_tokens(gm: fx.GraphModule, layer: MoELayer, n: int) -> str | None:
                 total = graph.call_function(aten.add.Tensor, (total, p))
                 total.meta["moe"] = {"layer": layer.name, "role": Role.PERMUTE}
             _replace_load(gm, layer.name, u, total)
+            _move_readers_after(graph, total)  # global_aux's all-reduce of the load sat after the one permute
     layer.sink.replace_all_uses_with(y)
     _erase_dead(graph, [*dead, *loads, *order])
     return None
+
+
+def _move_readers_after(graph: fx.Graph, node: fx.Node) -> None:
+    """Move the nodes placed before ``node`` that read it (and, transitively, their readers) right after it,
+    in their order: the graph stays topological when a value is rebuilt later than its readers."""
+    marked, late = {node}, []
+    for n in graph.nodes:
+        if n is node:
+            break
+        if any(a in marked for a in n.all_input_nodes):
+            marked.add(n)
+            late.append(n)
+    anchor = node
+    for n in late:
+        anchor.append(n)
+        anchor = n
 
 
 def _replace_load(gm: fx.GraphModule, layer: str, old: fx.Node, new: fx.Node) -> None:

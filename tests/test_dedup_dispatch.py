@@ -71,6 +71,11 @@ def dedup_worker(rank: int, world: int) -> dict:
             res[name, weights] = _run({}, rank, world, STEPS, step)
             ids = _data().shard(0, rank, world)[0]
             res[name, weights, "rows"] = _rows_sent(result, ids, rank, world)
+    # overlapped in 3 token chunks (both directions); global_aux: the load all-reduced over the chunks' sum
+    for name, dispatcher in (("dedup", "alltoall_dedup"), ("alltoall", "alltoall")):
+        plan = {"experts": EXPERTS, "parallel": {"ep": world, "dispatcher": dispatcher},
+                "overlap": {"enabled": True, "chunks": 3}}
+        res[name, "chunks"] = _run(plan, rank, world, STEPS)
     return res
 
 
@@ -81,6 +86,8 @@ def test_dedup_trains_like_one_process_and_sends_each_token_once_per_rank(world)
         for name in ("dedup", "dedup_etp", "alltoall"):
             _same_run(r[name, "auto"], r["dp"])
             _same_run(r[name, "combine"], r["dp_combine"])
+        _same_run(r["dedup", "chunks"], r["dp"])
+        _same_run(r["alltoall", "chunks"], r["dp"])
         sent, distinct, copies = r["dedup", "auto", "rows"]
         assert sent == distinct
         # 2 ranks of 2 experts: some tokens have both of theirs on one rank; 4 ranks of 1: none can
@@ -91,13 +98,41 @@ def test_dedup_trains_like_one_process_and_sends_each_token_once_per_rank(world)
         assert sent == distinct <= copies
 
 
-def test_dedup_is_dropless_and_not_chunked_yet():
+def test_dedup_is_dropless():
     with pytest.raises(PlanError, match="'alltoall_dedup' sends a variable number.*dropless only"):
         mc.Plan.from_dict({"experts": {**EXPERTS, "capacity_factor": 1.0},
                            "parallel": {"ep": 2, "dispatcher": "alltoall_dedup", "dispatch_mode": "static"}})
-    with pytest.raises(PlanError, match="does not chunk the 'alltoall_dedup' dispatcher"):
-        mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 2, "dispatcher": "alltoall_dedup"},
-                           "overlap": {"enabled": True}})
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "alltoall_dedup"])
+def test_chunks_split_global_aux_layers_and_cost_what_the_whole_layer_does(dispatcher):
+    """Every layer is cut into the chunks asked for, global_aux's all-reduce of the expert load included (it is a
+    wait of the layer, not its combine); the chunks' routed rows and balanced splits add up to the whole layer's, so
+    the FLOPs and dispatch bytes a chunked graph is costed at are the unchunked graph's."""
+    from moecompile.costs import layer_rows
+    from moecompile.models import build_model
+    from moecompile.planner import profile_result
+
+    from _dist import fake_rank
+
+    out = {}
+    with fake_rank(0, 2, ep_step=True):
+        for chunks in (0, 2):
+            dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=2, seq_len=16)
+            plan = mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 2, "dispatcher": dispatcher},
+                                      "overlap": {"enabled": chunks > 0, "chunks": max(chunks, 1)}})
+            mc.distributed.init(plan)
+            result = mc.convert(dense, plan, (ids,))
+            graph = result.module.graph
+            balanced = sum(n.meta["moe"].get("balanced", 0) for n in graph.nodes if "moe" in n.meta)
+            out[chunks] = (profile_result(result).flops, layer_rows(graph), balanced)
+            if chunks:
+                record = next(r for r in result.history if r.name == "overlap")
+                assert record.data["chunks"] == {f"model.layers.{i}.mlp": 2 for i in range(2)}, record.decisions
+    (flops, rows, balanced), (flops_c, rows_c, balanced_c) = out[0], out[2]
+    assert flops_c == flops
+    assert {k: 2 * v for k, v in rows_c.items()} == rows  # each chunk's GEMMs take half the layer's rows
+    assert balanced_c == pytest.approx(balanced)
 
 
 # ---------------------------------------------------------------- the planner

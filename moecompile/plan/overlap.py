@@ -60,9 +60,6 @@ class OverlapConfig(Section):
         """Rules between ``overlap`` and ``parallel`` (called by ``Plan.validate``)."""
         if not self.enabled:
             return
-        if parallel.dispatcher == "alltoall_dedup":
-            self.fail("enabled", "the overlap pass does not chunk the 'alltoall_dedup' dispatcher yet: set "
-                      "overlap.enabled: false, or use dispatcher 'alltoall' to overlap")
         if parallel.dispatcher == "allgather" and parallel.dispatch_mode == "static" and self.chunks not in (1, "auto"):
             self.fail(
                 "chunks",
