@@ -73,6 +73,14 @@ class World:
     edp_ranks: tuple[int, ...] = ()
     timeout_s: float = 300.0
     etp: int = 1  # of ``ep``, the slices each expert is cut into (plan.parallel.etp); ep / etp whole experts
+    node_ranks: int = 1  # of ``ep``, the ranks per node (plan.parallel.node_ranks): node-level dedup's two groups
+    node_group: Any = None  # this rank's node inside its ep group (consecutive node_ranks ranks)
+    rail_group: Any = None  # the ep group's ranks with this rank's local index, one per node
+
+    @property
+    def nodes(self) -> int:
+        """Nodes the ep group spans (1 unless ``node_ranks`` splits it)."""
+        return self.ep // self.node_ranks
 
     @property
     def ep_group_name(self) -> str:
@@ -134,7 +142,7 @@ def init(
         )
     if plan is None:
         return build_world(1, timeout_s)
-    return build_world(plan.parallel.ep, timeout_s, etp=plan.parallel.etp)
+    return build_world(plan.parallel.ep, timeout_s, etp=plan.parallel.etp, node_ranks=plan.parallel.node_ranks)
 
 
 def shutdown() -> None:
@@ -153,7 +161,8 @@ def shutdown() -> None:
 
 def world_from_plan(plan: Any) -> World:
     """The world for ``plan.parallel`` on the already-initialised ``torch.distributed``."""
-    return build_world(plan.parallel.ep, plan.parallel.timeout_s, etp=plan.parallel.etp)
+    return build_world(plan.parallel.ep, plan.parallel.timeout_s, etp=plan.parallel.etp,
+                       node_ranks=plan.parallel.node_ranks)
 
 
 def check_ep(ep: int, world_size: int, etp: int = 1) -> None:
@@ -179,9 +188,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def build_world(ep: int = 1, timeout_s: float = 300.0, etp: int = 1) -> World:
+def build_world(ep: int = 1, timeout_s: float = 300.0, etp: int = 1, node_ranks: int = 1) -> World:
     """Create (once per process) the ep / edp / dp groups for expert-parallel size ``ep`` and expert-tensor-
     parallel size ``etp``: the ep group spans ``ep * etp`` ranks (``World.ep``), which hold the experts' slices.
+    With ``node_ranks`` > 1 (and the ep group wider than it) each ep group is also cut into nodes of that many
+    consecutive ranks and rails (one rank of each node, the same local index): node-level dedup's two groups.
 
     Every rank must call it with the same arguments, as with ``dist.new_group``. Raises a
     ``PlanError`` naming the numbers, before any group exists, when ``ep * etp`` doesn't divide the world.
@@ -197,15 +208,20 @@ def build_world(ep: int = 1, timeout_s: float = 300.0, etp: int = 1) -> World:
     if _WORLDS_OWNER[0] is not dist.group.WORLD:
         _WORLDS.clear()
         _WORLDS_OWNER[0] = dist.group.WORLD
-    key = (ep, etp, float(timeout_s))
+    key = (ep, etp, float(timeout_s), node_ranks)
     if key in _WORLDS:
         return _WORLDS[key]
     edp = W // ep
     timeout = datetime.timedelta(seconds=timeout_s)
     ep_sets = [tuple(range(g * ep, (g + 1) * ep)) for g in range(edp)]
     edp_sets = [tuple(range(j, W, ep)) for j in range(ep)]
+    kinds = [("ep", ep_sets), ("edp", edp_sets), ("dp", [tuple(range(W))])]
+    if 1 < node_ranks < ep:
+        G = node_ranks
+        kinds += [("node", [s[i:i + G] for s in ep_sets for i in range(0, ep, G)]),
+                  ("rail", [s[g::G] for s in ep_sets for g in range(G)])]
     mine: dict[str, Any] = {}
-    for kind, sets in (("ep", ep_sets), ("edp", edp_sets), ("dp", [tuple(range(W))])):
+    for kind, sets in kinds:
         for i, ranks in enumerate(sets):  # every rank creates every group, in the same order
             desc = f"{kind}{i}" if len(sets) > 1 else kind
             pg = dist.new_group(list(ranks), timeout=timeout, group_desc=desc)
@@ -216,6 +232,7 @@ def build_world(ep: int = 1, timeout_s: float = 300.0, etp: int = 1) -> World:
         rank=rank, world_size=W, ep=ep, ep_rank=rank % ep, ep_group=mine["ep"], edp_group=mine["edp"],
         dp_group=mine["dp"], edp=edp, edp_rank=rank // ep, ep_ranks=ep_sets[rank // ep],
         edp_ranks=edp_sets[rank % ep], timeout_s=float(timeout_s), etp=etp,
+        node_ranks=node_ranks if "node" in mine else 1, node_group=mine.get("node"), rail_group=mine.get("rail"),
     )
     _WORLDS[key] = world
     log.info("rank %d: ep group %s, edp group %s, dp world %d", rank, world.ep_ranks, world.edp_ranks, W)
@@ -240,6 +257,10 @@ def resolve_world(plan: Any, world: World | None) -> World | None:
     if (world.ep, world.etp) != (ep * etp, etp):
         raise PlanError("parallel.ep", ep, f"the world passed to convert was built for ep={world.ep // world.etp}, "
                         f"etp={world.etp}; build it from this plan")
+    nodes = plan.parallel.node_ranks if 1 < plan.parallel.node_ranks < ep * etp else 1
+    if world.node_ranks != nodes:
+        raise PlanError("parallel.node_ranks", plan.parallel.node_ranks, f"the world passed to convert was built "
+                        f"with {world.node_ranks} ranks per node; build it from this plan")
     return world
 
 

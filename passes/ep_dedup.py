@@ -13,14 +13,22 @@ the wire more than once; with top-8 over 8 ranks a token has ~5.3 distinct ranks
     partial_MH = moecompile.unpermute(y, row_src, w_MK, M)          the rank's weighted sum per token
     y_TH     = index_add(0, tok_N, all_to_all(partial_MH))          the sources add the ranks' partials
 
-Dropless: one count exchange of (tokens, routed pairs) per destination and one host sync for every split.
-Bytes ~ 2 * T * H * (distinct ranks per token) * (P-1)/P per rank, plus the ids and weights (2K numbers a
-token). The local permute's ``load_E`` becomes a count over the local idx_TK, as under allgather.
-Legend: P ep ranks, L = E/P local experts, T local tokens, K top-k, H hidden, M tokens received.
+**Node level** (``parallel.node_ranks`` = G > 1; DeepEP's internode dispatch): the same exchange twice. First
+over the *rail* group (the ep group's ranks with this rank's local index, one per node), each token once per
+node holding one of its experts (destination ``idx // (L*G)``); then, inside the node group, each arrived
+token once per local rank holding one of its experts (``idx // L - node*G``; other nodes' experts: nowhere).
+The partial sums come back the same two ways, each hop adding what it fanned out. A token crosses the slow
+links once per node, not once per rank (nor per expert), at the price of a second, fast hop.
+
+Dropless: per hop one count exchange of (tokens, routed pairs) per destination and one host sync for every
+split. Bytes ~ 2 * T * H * (distinct ranks per token) * (P-1)/P per rank, plus the ids and weights (2K numbers
+a token). The local permute's ``load_E`` becomes a count over the local idx_TK, as under allgather.
+Legend: P ep ranks, L = E/P local experts, T local tokens, K top-k, H hidden, M tokens received, G ranks a node.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 
@@ -57,6 +65,61 @@ def balanced_counts(T: int, K: int, E: int, P: int) -> tuple[int, int]:
     return round(T * ranks_reached(E, K, P) / P), round(T * K / P)
 
 
+@dataclasses.dataclass
+class Hop:
+    """One de-duplicated exchange: which source rows went where, and what arrived."""
+
+    what: str  # the exchange's label ("dispatch", "dispatch to nodes", ...)
+    group: str
+    tok_N: fx.Node  # source row of each row sent, destination-major
+    send: list[fx.Node]  # rows to each destination (SymInts)
+    recv: list[fx.Node]  # rows from each source
+    pairs: list[fx.Node]  # routed (row, expert) pairs that came with them, from each source
+    x: fx.Node  # arrived rows [M, H], their expert ids [M, K] and routing weights [M, K]
+    idx: fx.Node
+    w: fx.Node
+
+    def back(self, em: Emit, partial_MH: fx.Node, like: fx.Node) -> fx.Node:
+        """The arrived rows' partial sums returned to their sources and added per source row."""
+        what = self.what.replace("dispatch", "combine").replace(" to ", " from ")
+        back_NH = em.collective(ALL_TO_ALL, partial_MH, self.send, self.recv, what=what, group=self.group)
+        return em(CC, aten.index_add.default, em(CC, aten.zeros_like.default, like), 0, self.tok_N, back_NH)
+
+
+def _hop(em: Emit, x: fx.Node, idx: fx.Node, w: fx.Node, dest: fx.Node, P: int, group: str,
+         balanced: tuple[float, float], what: str, device: torch.device, routed_rows: int | None = None) -> Hop:
+    """Send each row of ``x`` (with its ``idx`` / ``w``) once to every destination in [0, P) that ``dest`` (one
+    per routed choice; P: none) names, over ``group``. ``balanced``: (rows, pairs) a destination gets under
+    uniform routing, for the memory estimator; ``routed_rows``: the routed pairs the rows stand for, for costs."""
+    T = em(D, aten.sym_size.int, x, 0)
+    need = em(D, aten.narrow.default, em(D, aten.scatter.value, em(D, aten.new_zeros.default, idx, [T, P + 1]), 1,
+                                         dest, 1), 1, 0, P)
+    tokens_P = em(D, aten.sum.dim_IntList, need, [0])  # distinct rows for each destination
+    dest_A = em(D, aten.reshape.default, dest, [-1])
+    pairs_P = em(D, aten.narrow.default, em(D, aten.index_add.default, em(D, aten.new_zeros.default, dest_A, [P + 1]),
+                                            0, dest_A, em(D, aten.ones_like.default, dest_A)), 0, 0, P)
+    PT = em(D, operator.mul, T, P)
+    keys_PT = em(D, aten.view.default, em(D, aten.arange.default, PT, device=device), [P, T])  # p*T + t
+    keys = em(D, aten.reshape.default, em(D, aten.where.ScalarOther, em(D, aten.ne.Scalar, em(D, aten.t.default, need),
+                                                                         0), keys_PT, PT), [-1])
+    sorted_keys = em(D, operator.getitem, em(D, aten.sort.default, keys), 0)
+
+    sent = em(D, aten.reshape.default, em(D, aten.stack.default, [tokens_P, pairs_P], 1), [-1])
+    got = em.collective(ALL_TO_ALL, sent, [2] * P, [2] * P, what=f"{what} counts", group=group)
+    ints = em.host_ints(D, em(D, aten.cat.default, [tokens_P, got]), list(range(3 * P)))  # the hop's one host sync
+    for i, n in enumerate(ints):  # what memory_estimate takes for these data-dependent counts
+        n.meta["moe"]["balanced"] = balanced[0] if i < P or (i - P) % 2 == 0 else balanced[1]
+    send, recv, pairs = ints[:P], ints[P::2], ints[P + 1::2]
+    tok_N = em(D, aten.remainder.Scalar, em(D, aten.narrow.default, sorted_keys, 0, 0, _total(em, send)), T)
+    x_N = em(D, aten.index_select.default, x, 0, tok_N)
+    if routed_rows is not None:  # the rows the permute had: costs and the planner's profile size the layer here
+        x_N.meta["moe"]["routed_rows"] = routed_rows
+    arrived = [em.collective(ALL_TO_ALL, t, recv, send, what=f"{what}{label}", group=group) for t, label in (
+        (x_N, ""), (em(D, aten.index_select.default, idx, 0, tok_N), " expert ids"),
+        (em(D, aten.index_select.default, w, 0, tok_N), " routing weights"))]
+    return Hop(what, group, tok_N, send, recv, pairs, *arrived)
+
+
 def rewrite(gm: fx.GraphModule, em: Emit, world: World, top_k: int) -> None:
     """``top_k``: the routed choices per token, slices included (experts.top_k x parallel.etp)."""
     block, P = em.block, world.ep
@@ -66,6 +129,7 @@ def rewrite(gm: fx.GraphModule, em: Emit, world: World, top_k: int) -> None:
     x_TH, idx_TK = block.permute.args[:2]
     w_TK = block.permute.args[2]
     device = x_TH.meta["val"].device
+    T0 = int(x_TH.meta["val"].shape[0])
 
     with em.at(block.permute):  # the router stats count every routed pair of this rank's tokens, as before
         idx_A = em(D, aten.reshape.default, idx_TK, [-1])
@@ -74,45 +138,33 @@ def rewrite(gm: fx.GraphModule, em: Emit, world: World, top_k: int) -> None:
     replace_load(gm, block, load_E)
 
     with em.at(block.experts[0]):
-        T, K = em(D, aten.sym_size.int, x_TH, 0), em(D, aten.sym_size.int, idx_TK, 1)
-        dest_TK = em(D, aten.div.Scalar_mode, idx_TK, L, rounding_mode="floor")
-        need_TP = em(D, aten.scatter.value, em(D, aten.new_zeros.default, idx_TK, [T, P]), 1, dest_TK, 1)
-        tokens_P = em(D, aten.sum.dim_IntList, need_TP, [0])  # distinct tokens for each rank
-        pairs_P = em(D, aten.index_add.default, em(D, aten.new_zeros.default, idx_A, [P]), 0,
-                     em(D, aten.reshape.default, dest_TK, [-1]), em(D, aten.ones_like.default, idx_A))
-        PT = em(D, operator.mul, T, P)
-        keys_PT = em(D, aten.view.default, em(D, aten.arange.default, PT, device=device), [P, T])  # r*T + t
-        needed = em(D, aten.ne.Scalar, em(D, aten.t.default, need_TP), 0)
-        keys = em(D, aten.reshape.default, em(D, aten.where.ScalarOther, needed, keys_PT, PT), [-1])
-        sorted_keys = em(D, operator.getitem, em(D, aten.sort.default, keys), 0)
-
-        sent = em(D, aten.reshape.default, em(D, aten.stack.default, [tokens_P, pairs_P], 1), [-1])
-        got = em.collective(ALL_TO_ALL, sent, [2] * P, [2] * P, what="dispatch counts")
-        ints = em.host_ints(D, em(D, aten.cat.default, [tokens_P, got]), list(range(3 * P)))  # the one host sync
-        tokens, pairs = balanced_counts(int(x_TH.meta["val"].shape[0]), top_k, E, P)
-        for i, n in enumerate(ints):  # what memory_estimate takes for these data-dependent counts
-            n.meta["moe"]["balanced"] = tokens if i < P or (i - P) % 2 == 0 else pairs
-        send, recv, mine = ints[:P], ints[P::2], ints[P + 1::2]
-        N, M = _total(em, send), _total(em, recv)
-
-        tok_N = em(D, aten.remainder.Scalar, em(D, aten.narrow.default, sorted_keys, 0, 0, N), T)
-        x_NH = em(D, aten.index_select.default, x_TH, 0, tok_N)
-        # the routed pairs, the rows the permute had: costs and the planner's profile read the layer's size here
-        x_NH.meta["moe"]["routed_rows"] = int(x_TH.meta["val"].shape[0]) * top_k
-        x_MH = em.collective(ALL_TO_ALL, x_NH, recv, send, what="dispatch")
-        idx_MK = em.collective(ALL_TO_ALL, em(D, aten.index_select.default, idx_TK, 0, tok_N), recv, send,
-                               what="dispatch expert ids")
-        w_MK = em.collective(ALL_TO_ALL, em(D, aten.index_select.default, w_TK, 0, tok_N), recv, send,
-                             what="dispatch routing weights")
-
+        G, N = world.node_ranks, world.nodes
+        if G > 1:  # over the rail to each node needed, then inside the node to each rank needed
+            node = world.ep_rank // G
+            reached = ranks_reached(E, top_k, N)
+            rail = _hop(em, x_TH, idx_TK, w_TK, em(D, aten.div.Scalar_mode, idx_TK, L * G, rounding_mode="floor"),
+                        N, world.rail_group.group_name, (T0 * reached / N, T0 * top_k / N), "dispatch to nodes",
+                        device, T0 * top_k)
+            local = em(D, aten.sub.Scalar, em(D, aten.div.Scalar_mode, rail.idx, L, rounding_mode="floor"), node * G)
+            local = em(D, aten.where.ScalarOther, em(D, aten.bitwise_and.Tensor, em(D, aten.ge.Scalar, local, 0),
+                                                      em(D, aten.lt.Scalar, local, G)), local, G)
+            hops = [rail, _hop(em, rail.x, rail.idx, rail.w, local, G, world.node_group.group_name,
+                               (T0 * ranks_reached(E, top_k, P) / G, T0 * top_k / G), "dispatch in node", device)]
+        else:
+            dest_TK = em(D, aten.div.Scalar_mode, idx_TK, L, rounding_mode="floor")
+            hops = [_hop(em, x_TH, idx_TK, w_TK, dest_TK, P, em.group, balanced_counts(T0, top_k, E, P), "dispatch",
+                         device, T0 * top_k)]
+        last = hops[-1]
+        x_MH, idx_MK, w_MK = last.x, last.idx, last.w
+        M, K = _total(em, last.recv), em(D, aten.sym_size.int, idx_MK, 1)
         MK = em(D, operator.mul, M, K)
-        local = em(D, aten.bitwise_and.Tensor, em(D, aten.ge.Scalar, idx_MK, lo), em(D, aten.lt.Scalar, idx_MK, hi))
+        mine = em(D, aten.bitwise_and.Tensor, em(D, aten.ge.Scalar, idx_MK, lo), em(D, aten.lt.Scalar, idx_MK, hi))
         flat_MK = em(D, aten.view.default, em(D, aten.arange.default, MK, device=device), [-1, K])  # m*K + k
         expert_key = em(D, aten.add.Tensor, em(D, aten.mul.Scalar, em(D, aten.sub.Scalar, idx_MK, lo), MK), flat_MK)
-        keys2 = em(D, aten.reshape.default, em(D, aten.where.ScalarOther, local, expert_key, em(D, operator.mul, MK, L)),
+        keys2 = em(D, aten.reshape.default, em(D, aten.where.ScalarOther, mine, expert_key, em(D, operator.mul, MK, L)),
                    [-1])
         ordered = em(D, aten.narrow.default, em(D, operator.getitem, em(D, aten.sort.default, keys2), 0), 0, 0,
-                     _total(em, mine))
+                     _total(em, last.pairs))
         row_src = em(D, aten.remainder.Scalar, ordered, MK)  # expert-major, like the permute's rows
         expert_R = em(D, aten.div.Scalar_mode, ordered, MK, rounding_mode="floor")
         sizes_L = em(D, aten.index_add.default, em(D, aten.new_zeros.default, ordered, [L]), 0, expert_R,
@@ -124,8 +176,8 @@ def rewrite(gm: fx.GraphModule, em: Emit, world: World, top_k: int) -> None:
     rewire_experts(block, x_in, sizes_L, w_in)
 
     with em.at(block.unpermute):
-        partial_MH = em(CC, mc.unpermute.default, block.expert_out, row_src, w_MK, M, w_in is None)
-        back_NH = em.collective(ALL_TO_ALL, partial_MH, send, recv, what="combine")
-        y_TH = em(CC, aten.index_add.default, em(CC, aten.zeros_like.default, x_TH), 0, tok_N, back_NH)
-    block.unpermute.replace_all_uses_with(y_TH)
+        y = em(CC, mc.unpermute.default, block.expert_out, row_src, w_MK, M, w_in is None)
+        for hop, rows in zip(hops[::-1], [h.x for h in hops[-2::-1]] + [x_TH]):  # each hop's partials to its rows
+            y = hop.back(em, y, rows)
+    block.unpermute.replace_all_uses_with(y)
     erase_local_permute(gm, block, w_old)

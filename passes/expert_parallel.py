@@ -114,12 +114,13 @@ class Emit:
         node.meta["moe"] = {"layer": self.block.layer, "role": role}
         return node
 
-    def collective(self, start: Any, x: fx.Node, *args: Any, what: str) -> fx.Node:
-        """A functional-collective start on the ep group and its (named) wait; returns the wait."""
-        label = f"{self.block.layer}: {what}"
-        s = self(Role.COLLECTIVE_START, start, x, *args, self.group)
-        w = self(Role.COLLECTIVE_WAIT, mc.wait_tensor.default, s, label, self.group)
-        s.meta["moe"]["group"] = w.meta["moe"]["group"] = self.group
+    def collective(self, start: Any, x: fx.Node, *args: Any, what: str, group: str | None = None) -> fx.Node:
+        """A functional-collective start on ``group`` (the ep group by default) and its (named) wait; returns the
+        wait."""
+        label, group = f"{self.block.layer}: {what}", group or self.group
+        s = self(Role.COLLECTIVE_START, start, x, *args, group)
+        w = self(Role.COLLECTIVE_WAIT, mc.wait_tensor.default, s, label, group)
+        s.meta["moe"]["group"] = w.meta["moe"]["group"] = group
         return w
 
     def row_weights(self, role: Role, row_src: fx.Node, weights_TK: fx.Node, anchor: fx.Node) -> fx.Node:

@@ -1,11 +1,13 @@
 """How the ``overlap`` pass splits one MoE layer's expert section into N chunks.
 
-``MoELayer`` finds what expert_parallel left (either dispatcher). Two ways to split it:
+``MoELayer`` finds what expert_parallel left (any dispatcher). Two ways to split it:
 
     dropless  token ranges. The section between the routed tokens (x_TH, w_TK, idx_TK) and the
               combined output is cloned once per chunk over narrow(., 0, b_c, b_c+1 - b_c); chunk
               outputs are concatenated. Each chunk permutes, exchanges and combines its own tokens:
-              every token meets the same experts with the same weights. The expert load is the sum.
+              every token meets the same experts with the same weights. The expert load is the sum
+              (and what read the whole batch's load, global_aux's all-reduce, moves after it).
+              Meta counts of the whole batch's tokens (meta.TOKEN_COUNTS) are scaled to the chunk's.
     static    capacity-slot ranges (all-to-all only). The permute runs once on the whole batch
               (so capacity drops exactly the tokens it did), and chunk c exchanges slots
               [s_c, s_c+1) of every expert: x_ECH[:, s_c:s_c+1] -> all_to_all (fixed splits L*C_c)

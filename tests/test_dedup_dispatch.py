@@ -197,3 +197,62 @@ def test_a_dedup_graph_is_estimated_and_profiled_as_the_alltoall_one():
     (act, flops, rows), (act_d, flops_d, rows_d) = out["alltoall"], out["alltoall_dedup"]
     assert flops_d == flops and rows_d == rows and rows[1] > 0
     assert 0.8 * act < act_d < 1.25 * act  # its own buffers: the ids, weights and sort keys of the tokens it sends
+
+
+# ---------------------------------------------------------------- node level (parallel.node_ranks)
+
+
+class HopRows(TorchDispatchMode):
+    """Per all-to-all of hidden rows: the c10d group it ran on and the rows it handed to other members."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.hidden, self.calls, self.idx = hidden, [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        x = args[0] if args else None
+        if func is _A2A and x.dim() == 2 and x.shape[1] == self.hidden and x.is_floating_point():
+            self.calls.append((args[3], [int(s) for s in args[2]]))
+        if func is torch.ops.moecompile.route.default:
+            self.idx.append(out[1].clone())
+        return out
+
+
+def node_worker(rank: int, world: int) -> dict:
+    res = {"dp": _run({"experts": EXPERTS}, rank, world, STEPS)}
+    for name, parallel in (("node", {"ep": world, "node_ranks": 2}), ("node_etp", {"ep": 2, "etp": 2, "node_ranks": 2})):
+        plan = {"experts": EXPERTS, "parallel": {**parallel, "dispatcher": "alltoall_dedup"}}
+        _, result, step = _step(plan, GLOBAL_BATCH // world)
+        if name == "node":  # what crossed between nodes, before training moves the router
+            hidden = next(p for n, p in result.module.named_parameters() if n.endswith("experts.w_down")).shape[1]
+            meter = HopRows(hidden)
+            with torch.no_grad(), meter:
+                result.module(_data().shard(0, rank, world)[0])
+            w = mc.distributed.world_from_plan(mc.Plan.from_dict(plan))
+            rail, node = w.rail_group.group_name, w.node_group.group_name
+            groups = [g for g, _ in meter.calls]
+            assert groups == [rail, node, node, rail] * len(meter.idx), groups  # per layer: 2 hops there, 2 back
+            me = rank // 2
+            res["rail_rows"] = sum(sum(s for j, s in enumerate(splits) if j != me) for g, splits in meter.calls[0::4])
+            res["node_pairs"] = sum(len(set((row // 2).tolist()) - {me}) for idx in meter.idx for row in idx)
+            res["rank_pairs"] = sum(len(set(row.tolist()) - {rank}) for idx in meter.idx for row in idx)
+        res[name] = _run({}, rank, world, STEPS, step)
+    return res
+
+
+@pytest.mark.distributed
+def test_node_level_dedup_crosses_nodes_once_per_token_and_trains_like_one_process():
+    """4 ranks as 2 nodes of 2: a token goes once to each other node holding one of its experts (then fans out
+    inside it), and the run equals one process per rank, also under etp."""
+    for r in spawn(node_worker, 4, (), timeout=400):
+        _same_run(r["node"], r["dp"])
+        _same_run(r["node_etp"], r["dp"])
+        assert r["rail_rows"] == r["node_pairs"] < r["rank_pairs"]
+
+
+def test_node_ranks_must_divide_the_ep_group_and_go_with_dedup():
+    with pytest.raises(PlanError, match="node_ranks.*must divide the ep group's 4 ranks"):
+        mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 4, "dispatcher": "alltoall_dedup", "node_ranks": 3}})
+    with pytest.raises(PlanError, match="only dispatcher 'alltoall_dedup' does"):
+        mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 4, "node_ranks": 2}})

@@ -46,12 +46,20 @@ class ParallelConfig(Section):
         "of the tokens and reduce-scatter of the outputs (bytes ~ ep*T*H; no count exchange), or "
         "alltoall_dedup: all-to-all of each token once per rank that holds one of its experts (bytes ~ "
         "T*H times the distinct ranks of its k experts, at most min(k, ep)), the rank's partial sum coming back "
-        "(dropless only; no overlap chunks yet).",
+        "(dropless only).",
     )
     dispatch_mode: Literal["dropless", "static"] = doc_field(
         "dropless",
         "dropless: exact per-expert counts, variable-size exchanges (one host sync per layer). static: "
         "fixed capacity, padded fixed-size exchanges, no host sync (CUDA-graph capturable).",
+    )
+    node_ranks: int = doc_field(
+        1,
+        "alltoall_dedup at node level (DeepEP's internode dispatch): the ep group's ranks per node. A token then "
+        "crosses the slow inter-node links once per node holding one of its experts (to the rank of its own local "
+        "index there) and fans out over the node's fast links to the ranks that hold them; partial sums come back "
+        "the same two ways. 1: rank level (one exchange). Must divide ep x etp; consecutive ranks share a node, "
+        "as torchrun numbers them.",
     )
     capacity_factor: Union[float, None] = doc_field(
         None,
@@ -133,6 +141,12 @@ class ParallelConfig(Section):
             self.fail("ep", "must be >= 1")
         if self.etp < 1:
             self.fail("etp", "must be >= 1")
+        if self.node_ranks < 1 or self.expert_ranks % self.node_ranks:
+            self.fail("node_ranks", f"must divide the ep group's {self.expert_ranks} ranks (ep x etp): a node holds "
+                      "whole consecutive ranks of it")
+        if self.node_ranks > 1 and self.dispatcher != "alltoall_dedup":
+            self.fail("node_ranks", "de-duplicates per node, which only dispatcher 'alltoall_dedup' does: set "
+                      "parallel.dispatcher: alltoall_dedup, or node_ranks: 1")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             self.fail("capacity_factor", "must be > 0, or null to use experts.capacity_factor")
         if self.timeout_s <= 0:
