@@ -29,6 +29,7 @@ Legend: P ep ranks, L = E/P local experts, T local tokens, K top-k, H hidden, M 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 
@@ -58,6 +59,19 @@ def ranks_reached(E: int, K: int, P: int) -> float:
     rank is missed when none of the K is among its E/P, with probability C(E - E/P, K) / C(E, K)."""
     missed = math.comb(E - E // P, K) / math.comb(E, K) if K <= E - E // P else 0.0
     return P * (1.0 - missed)
+
+
+@functools.lru_cache(maxsize=None)  # the planner asks for the same few layouts of every candidate
+def nodes_reached(E: int, K: int, ep: int, etp: int = 1, G: int = 1) -> float:
+    """Expected distinct nodes (G consecutive ranks of the ep x etp group) a token's K experts' slices sit on,
+    under uniform routing: node n is missed when none of the K is among the whole experts U_n it holds a slice
+    of, with probability C(E - |U_n|, K) / C(E, K). G = 1 counts ranks (etp x ranks_reached)."""
+    P, per = ep * etp, E // ep
+    total = 0.0
+    for n in range(P // G):
+        held = {e for r in range(n * G, (n + 1) * G) for e in range((r % ep) * per, (r % ep + 1) * per)}
+        total += 1.0 - (math.comb(E - len(held), K) / math.comb(E, K) if K <= E - len(held) else 0.0)
+    return total
 
 
 def balanced_counts(T: int, K: int, E: int, P: int) -> tuple[int, int]:

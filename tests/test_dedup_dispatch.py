@@ -256,3 +256,70 @@ def test_node_ranks_must_divide_the_ep_group_and_go_with_dedup():
         mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 4, "dispatcher": "alltoall_dedup", "node_ranks": 3}})
     with pytest.raises(PlanError, match="only dispatcher 'alltoall_dedup' does"):
         mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 4, "node_ranks": 2}})
+
+
+@pytest.mark.parametrize("E,k,ep,etp,G", [(8, 2, 4, 1, 2), (16, 4, 8, 1, 4), (8, 2, 2, 2, 2), (8, 2, 2, 4, 4),
+                                          (6, 2, 3, 2, 2), (8, 3, 4, 1, 1)])
+def test_the_planner_counts_a_tokens_distinct_nodes_exactly(E, k, ep, etp, G):
+    """nodes_reached: the mean over every set of k experts of the nodes (G consecutive ranks) holding a slice of
+    one of them; rank r holds slice r // ep of experts [(r % ep) E/ep, (r % ep + 1) E/ep)."""
+    import itertools
+
+    from moecompile.passes.ep_dedup import nodes_reached
+
+    per, P = E // ep, ep * etp
+    sets = list(itertools.combinations(range(E), k))
+    mean = sum(len({r // G for r in range(P) if any(e // per == r % ep for e in s)}) for s in sets) / len(sets)
+    assert nodes_reached(E, k, ep, etp, G) == pytest.approx(mean)
+
+
+def test_the_planner_prices_node_level_dedup_by_the_nodes_it_crosses_to():
+    """16 H100s, 8 a node, E 64 top-8: rank level, a token reaches ~6.8 ranks, half of them off-node; node level,
+    ~2 nodes, one off-node (0.3x the slow bytes), then the 6.8 ranks over NVLink, one hop after the other: about
+    half the time. Searched only where the ep group spans nodes."""
+    import transformers
+
+    from moecompile.planner import Candidate, SearchSpace, enumerate_candidates, estimate, preset, profile_config
+
+    fine = {"num_experts": 64, "top_k": 8}
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=1024, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=8)
+    prof = profile_config(cfg, seq_len=4096, experts=fine)
+    cluster = preset("h100", 16)
+    terms = {}
+    for node_ranks in (1, 8):
+        plan = mc.Plan.from_dict({"experts": fine, "parallel": {"ep": 16, "dispatcher": "alltoall_dedup",
+                                                                "node_ranks": node_ranks}})
+        cand = Candidate(plan)
+        terms[node_ranks] = estimate(prof, cluster, cand, global_batch=16).term("dispatch+combine")
+        assert ("/node8" in cand.describe()) == (node_ranks == 8)
+    assert 0.4 * terms[1] < terms[8] < 0.6 * terms[1]
+    cands, _ = enumerate_candidates(fine, cluster, 16, SearchSpace(expert_parallel=True, micro_batches=(1,)))
+    node_level = {(c.ep, c.plan.parallel.dispatcher) for c in cands if c.node_ranks > 1}
+    assert node_level == {(16, "alltoall_dedup")}  # ep 8 fits one node: rank level only
+
+
+def test_a_node_level_graph_is_estimated_and_profiled_as_the_rank_level_one():
+    """The memory estimator takes each hop's balanced counts (a rank gets T x ranks / G rows from each node peer);
+    the profile finds the routed rows once, on the first hop; the static region stays capture-safe."""
+    from moecompile.cuda_graphs import check_capture_safety
+    from moecompile.models import build_model
+    from moecompile.planner import profile_result
+
+    from _dist import fake_rank
+
+    out = {}
+    with fake_rank(0, 4, ep_step=True):
+        for node_ranks in (1, 2):
+            dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=2, seq_len=16)
+            plan = mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 4, "dispatcher": "alltoall_dedup",
+                                                                       "node_ranks": node_ranks}})
+            mc.distributed.init(plan)
+            result = mc.convert(dense, plan, (ids,))
+            prof = profile_result(result)
+            out[node_ranks] = (mc.estimate_memory(result).activations, prof.flops,
+                               [lp.dispatch_bytes for lp in prof.layers])
+            assert check_capture_safety(result, region="static").safe
+    (act, flops, rows), (act_n, flops_n, rows_n) = out[1], out[2]
+    assert flops_n == flops and rows_n == rows and rows[1] > 0
+    assert act < act_n < 1.3 * act  # the second hop's buffers: each token's rows, ids and weights once more

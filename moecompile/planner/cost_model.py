@@ -11,7 +11,9 @@ The model, per micro-batch and rank (T tokens of the micro-batch, /tp with seque
   times the share that leaves the rank, split by where the peers are (NVLink vs NIC), plus a
   latency per exchange; forward dispatch + combine and their backward mirrors. ``alltoall_dedup``
   sends each token once per distinct rank of its experts (their expected number under uniform
-  routing, :func:`distinct_ranks`) with its k expert ids and weights; ``allgather`` every peer's tokens.
+  routing, :func:`distinct_ranks`) with its k expert ids and weights; at node level (``node_ranks``)
+  once per distinct node over the inter-node rail, then once per distinct rank inside the node
+  (:func:`dedup_hops`); ``allgather`` every peer's tokens.
 - overlap: with the overlap pass's N chunks the MoE block runs as a 3-stage pipeline
   (dispatch, experts, combine): (d + c + b)/N + (N-1)/N * max(c, d + b); what exceeds the expert
   compute c (and the shared experts, which are independent of the exchange) is exposed. Megatron's 1F1B overlap ("1f1b", validation only) hides a layer's
@@ -68,7 +70,7 @@ from ..kernels.adamw import host_traffic
 from ..grad_shards import IN_FLIGHT
 from ..memory_shards import IN_FLIGHT_PARAM_BUCKETS
 from ..optimizer_offload import transfer_bytes
-from ..passes.ep_dedup import ranks_reached
+from ..passes.ep_dedup import nodes_reached, ranks_reached
 from .cluster import GiB, Cluster, Span
 from . import whole_buckets
 from .profile import LayerProfile, ModelProfile, NodeCost
@@ -124,6 +126,11 @@ class Candidate:
         return self.ep * self.etp
 
     @property
+    def node_ranks(self) -> int:
+        """``parallel.node_ranks``: alltoall_dedup's ranks per node (1: rank level)."""
+        return getattr(self.plan.parallel, "node_ranks", 1)
+
+    @property
     def distributed_optimizer(self) -> bool:
         """ZeRO-1 / Megatron-Core's distributed optimizer: the plan's ``parallel.shard_optimizer``."""
         return self.plan.parallel.shard_optimizer
@@ -157,7 +164,7 @@ class Candidate:
             mode = p.parallel.dispatch_mode
             if mode == "static":
                 mode += f" cf={p.parallel.static_capacity_factor(p.experts)}"
-            parts.append(f"{p.parallel.dispatcher} {mode}")
+            parts.append(f"{p.parallel.dispatcher}{f'/node{self.node_ranks}' if self.node_ranks > 1 else ''} {mode}")
         if self.tp > 1 or self.pp > 1:
             parts.append(f"tp={self.tp} pp={self.pp}" + (f" vpp={self.vpp}" if self.vpp > 1 else ""))
         if self.overlap_chunks:
@@ -321,13 +328,25 @@ def distinct_ranks(num_experts: int, top_k: int, ep: int, etp: int = 1) -> float
     return etp * ranks_reached(num_experts, top_k, ep)
 
 
+def dedup_hops(profile: ModelProfile, cand: Candidate, lp: LayerProfile, scale: float) -> list[tuple[float, int, int]]:
+    """(bytes a rank sends, group size, rank stride) of each hop of ``alltoall_dedup``: one over the ep group, or
+    at node level (``parallel.node_ranks`` = G) over the rail (one rank a node, stride G: the slow links), to each
+    node a token needs, then inside the node to each rank it needs (as many rows as the rank-level exchange)."""
+    tokens, G = lp.hidden_bytes * scale / cand.tp, cand.node_ranks
+    ranks = tokens * distinct_ranks(profile.num_experts, profile.top_k, cand.ep, cand.etp)
+    if G == 1:
+        return [(ranks, cand.expert_ranks, 1)]
+    nodes = nodes_reached(profile.num_experts, profile.top_k, cand.ep, cand.etp, G)
+    return [(tokens * nodes, cand.expert_ranks // G, G), (ranks, G, 1)]
+
+
 def _dispatch_payload(profile: ModelProfile, cand: Candidate, lp: LayerProfile, scale: float, pad: float) -> float:
     """Bytes of one dispatch (or combine) of the layer on one rank, before the share that stays on the rank."""
     par, tokens = cand.plan.parallel, lp.hidden_bytes * scale / cand.tp
     if par.dispatcher == "allgather":  # every peer's tokens gathered, the partial sums reduce-scattered back
         return tokens * cand.expert_ranks
-    if par.dispatcher == "alltoall_dedup":  # each token once per distinct rank of its experts
-        return tokens * distinct_ranks(profile.num_experts, profile.top_k, cand.ep, cand.etp)
+    if par.dispatcher == "alltoall_dedup":  # each token once per distinct rank of its experts (first hop's)
+        return dedup_hops(profile, cand, lp, scale)[0][0]
     return lp.dispatch_bytes * scale / cand.tp * pad  # every routed copy
 
 
@@ -394,10 +413,17 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
             t, a2a_detail = _exchange(cluster, payload, ep)
             lat = cluster.link(cluster.span(ep)).latency
             count_x = lat if par.dispatch_mode == "dropless" and par.dispatcher != "allgather" else 0.0
-            if par.dispatcher == "alltoall_dedup":  # each sent token's k expert ids and weights, the weights' grad back
-                ids = payload / lp.hidden_bytes * profile.tokens * profile.top_k * DEDUP_ID_BYTES
+            if par.dispatcher == "alltoall_dedup":  # per hop: its rows, each sent token's k expert ids and weights
+                hops = dedup_hops(profile, cand, lp, scale)
+                t = count_x = 0.0
+                for nbytes, size, stride in hops:
+                    t += _exchange(cluster, nbytes, size, stride)[0]
+                    ids = nbytes / lp.hidden_bytes * profile.tokens * profile.top_k * DEDUP_ID_BYTES
+                    count_x += cluster.link(cluster.span(size, stride)).latency + 2 * _exchange(cluster, ids, size, stride)[0]
                 weights_how = f" + the tokens' expert ids and weights ({DEDUP_ID_BYTES} B each of k)"
-                count_x += 2 * _exchange(cluster, ids, ep)[0]
+                if len(hops) > 1:
+                    a2a_detail = (_exchange(cluster, hops[0][0], hops[0][1], hops[0][2])[1] + " to the nodes, then "
+                                  + _exchange(cluster, hops[1][0], hops[1][1])[1] + " inside them")
             if par.dispatcher == "alltoall" and lp.row_weight_bytes:  # each row's weight goes, its gradient returns
                 w_bytes = lp.row_weight_bytes * scale / tp * times.pad
                 weights_how = " + the routing weights' 2"

@@ -156,7 +156,8 @@ def expert_groups(num_experts: int, gpus: int, etps: tuple[int, ...] = (1,)) -> 
 
 
 def _plan_dict(base: dict, experts: dict, ep: int, dispatcher: str, mode: str, cf: float | None,
-               recompute: tuple[str, ...], fp8: str, chunks: int, weights: str | None = None, etp: int = 1) -> dict:
+               recompute: tuple[str, ...], fp8: str, chunks: int, weights: str | None = None, etp: int = 1,
+               node_ranks: int = 1) -> dict:
     """``base`` (a plan as a dict) with the searched fields set; experts.capacity_factor goes (parallel owns it)."""
     plan: dict[str, Any] = {k: dict(v) for k, v in base.items()}
     plan["experts"] = {**plan.get("experts", {}), **experts, "capacity_factor": None}
@@ -166,6 +167,8 @@ def _plan_dict(base: dict, experts: dict, ep: int, dispatcher: str, mode: str, c
                         "capacity_factor": cf if mode == "static" else None}
     if etp > 1 or "etp" in plan["parallel"]:
         plan["parallel"]["etp"] = etp
+    if node_ranks > 1 or "node_ranks" in plan["parallel"]:
+        plan["parallel"]["node_ranks"] = node_ranks
     for key in ("shard_optimizer", "shard_gradients", "shard_parameters"):  # searched: the sharded twins are added
         if key in plan["parallel"]:
             plan["parallel"][key] = False
@@ -222,11 +225,15 @@ def enumerate_candidates(experts: dict, cluster: Cluster, global_batch: int, spa
                     if not (d == "alltoall_dedup" and m == "static")  # dropless only (a variable token count)
                     for cf in (space.capacity_factors if m == "static" else (None,))
                     for w in (placements if d == "alltoall" else placements[:1])]
+        node = cluster.gpus_per_node  # dedup at node level where the ep group spans whole nodes
+        nodes = [node] if 1 < node < ep * etp and (ep * etp) % node == 0 else []
         chunk_opts = [0] + [c for c in overlap_chunks if ep * etp > 1]
-        for (disp, mode, cf, weights), chunks, rc, fp8, mb in itertools.product(
+        comm = [(*c, 1) for c in comm] + [(*c, n) for c in comm if c[0] == "alltoall_dedup" for n in nodes]
+        for (disp, mode, cf, weights, node_ranks), chunks, rc, fp8, mb in itertools.product(
                 comm, chunk_opts, space.recompute_sets, space.fp8_recipes, mbs):
             try:
-                plan = Plan.from_dict(_plan_dict(base or {}, experts, ep, disp, mode, cf, rc, fp8, chunks, weights, etp))
+                plan = Plan.from_dict(_plan_dict(base or {}, experts, ep, disp, mode, cf, rc, fp8, chunks, weights, etp,
+                                                 node_ranks))
             except PlanError as e:  # a rule between sections rules the combination out
                 combo = (f"ep={ep}" + (f" etp={etp}" if etp > 1 else "") + f" {disp} {mode}"
                          + (f" overlap x{chunks}" if chunks else ""))
