@@ -4,6 +4,7 @@
     python benchmarks/ep_comm.py --eps 2 --tokens 4096 --hidden 256
     python benchmarks/ep_comm.py --eps 2 4 --etps 1 2 --modes dropless   # the same ranks as ep or as ep x etp
     python benchmarks/ep_comm.py --dispatchers alltoall alltoall_dedup --modes dropless --experts 64 --top-k 8
+    python benchmarks/ep_comm.py --eps 4 --node-ranks 1 2 --dispatchers alltoall alltoall_dedup --modes dropless
 
 Each rank count runs in its own spawned world (world = ep x etp; etp = 1 unless --etps). A model of
 MoE layers only (residual GLU FFNs upcycled to E experts, top-k) is converted with the plan; every
@@ -20,6 +21,10 @@ the collective (start + wait).
     sent      = bytes handed to other ranks, forward + backward, counted at every collective (under
                 alltoall_dedup a token goes once per distinct rank of its experts, so it can be below the
                 off-rank ideal of the copies; its expert ids and weights are counted too)
+    off-node  = the part of sent that went to ranks of another node, nodes being --node-size consecutive
+                ranks (all on this machine here: what would cross the slow links on a cluster). alltoall_dedup
+                at node level (--node-ranks G, parallel.node_ranks) sends a token once per node over the rail,
+                then fans it out inside the node
     comm %    = time inside collectives (start + wait, i.e. exposed) / step time (forward + backward)
 
 Numbers are measured on this machine; nothing is hard-coded. Gloo over loopback on shared CPU cores
@@ -65,12 +70,13 @@ class MoEStack(nn.Module):
 
 
 class CommMeter(TorchDispatchMode):
-    """Bytes sent to other ranks and seconds spent in functional collectives (forward and backward)."""
+    """Bytes sent to other ranks (and to other nodes' ranks, ``node_size`` consecutive ranks a node) and seconds
+    spent in functional collectives (forward and backward), on whichever group each runs."""
 
-    def __init__(self, rank_in_group: int, group_size: int):
+    def __init__(self, rank: int, node_size: int):
         super().__init__()
-        self.me, self.n = rank_in_group, group_size
-        self.bytes_sent, self.seconds = 0, 0.0
+        self.rank, self.node_size = rank, node_size
+        self.bytes_sent, self.off_node, self.seconds = 0, 0, 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -80,18 +86,25 @@ class CommMeter(TorchDispatchMode):
         if is_comm:
             self.seconds += time.perf_counter() - start
         if func in _STARTS:
-            self.bytes_sent += self._sent(func, args)
+            for dest, nbytes in self._sent(func, args):
+                if dest != self.rank:
+                    self.bytes_sent += nbytes
+                    self.off_node += nbytes if dest // self.node_size != self.rank // self.node_size else 0
         return out
 
-    def _sent(self, func, args) -> int:
-        x = args[0]
+    def _sent(self, func, args) -> list[tuple[int, int]]:
+        """(global destination rank, bytes) of one collective."""
+        from moecompile.distributed import _GROUPS
+
+        x, group = args[0], args[-1]
+        members = _GROUPS[group][1]
         nbytes = x.numel() * x.element_size()
         if func is _fc.all_to_all_single.default:
             row = nbytes // max(x.shape[0], 1)
-            return row * sum(int(s) for j, s in enumerate(args[2]) if j != self.me)
+            return [(members[j], row * int(s)) for j, s in enumerate(args[2])]
         if func is _fc.all_gather_into_tensor.default:
-            return nbytes * (self.n - 1)
-        return nbytes * (self.n - 1) // self.n  # reduce-scatter: every chunk but ours leaves
+            return [(m, nbytes) for m in members]
+        return [(m, nbytes // len(members)) for m in members]  # reduce-scatter: every chunk but ours leaves
 
 
 def worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
@@ -101,9 +114,12 @@ def worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
     results = []
     first = None
     etps = [t for t in cfg["etps"] if world % t == 0 and cfg["experts"] % (world // t) == 0]
-    for etp, dispatcher, mode in [(t, d, m) for t in etps for d in cfg["dispatchers"] for m in cfg["modes"]]:
+    for etp, dispatcher, mode, node_ranks in [(t, d, m, g) for t in etps for d in cfg["dispatchers"]
+                                              for m in cfg["modes"] for g in cfg["node_ranks"]]:
+        if node_ranks > 1 and (dispatcher != "alltoall_dedup" or world % node_ranks or node_ranks == world):
+            continue
         ep = world // etp
-        parallel = {"ep": ep, "etp": etp, "dispatcher": dispatcher, "dispatch_mode": mode}
+        parallel = {"ep": ep, "etp": etp, "dispatcher": dispatcher, "dispatch_mode": mode, "node_ranks": node_ranks}
         if mode == "static":
             parallel["capacity_factor"] = cfg["capacity_factor"]
         try:
@@ -120,15 +136,16 @@ def worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
         result = mc.convert(model, plan, (x,))
         for _ in range(cfg["warmup"]):
             result.module(x).square().mean().backward()
-        meter = CommMeter(rank, world)
+        meter = CommMeter(rank, cfg["node_size"])
         torch.distributed.barrier()
         start = time.perf_counter()
         with meter:
             for _ in range(cfg["steps"]):
                 result.module(x).square().mean().backward()
         step_s = (time.perf_counter() - start) / cfg["steps"]
-        results.append({"ep": ep, "etp": etp, "dispatcher": dispatcher, "mode": mode,
-                        "bytes": meter.bytes_sent / cfg["steps"],
+        results.append({"ep": ep, "etp": etp, "mode": mode, "bytes": meter.bytes_sent / cfg["steps"],
+                        "dispatcher": dispatcher + (f"/node{node_ranks}" if node_ranks > 1 else ""),
+                        "off_node": meter.off_node / cfg["steps"],
                         "comm_s": meter.seconds / cfg["steps"], "step_s": step_s})
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, results)
@@ -156,6 +173,10 @@ def main() -> None:
     p.add_argument("--etps", type=int, nargs="+", default=[1], help="etp values tried at each rank count")
     p.add_argument("--dispatchers", nargs="+", default=["alltoall", "allgather"])
     p.add_argument("--modes", nargs="+", default=["dropless", "static"])
+    p.add_argument("--node-ranks", dest="node_ranks", type=int, nargs="+", default=[1],
+                   help="parallel.node_ranks tried for alltoall_dedup (1: rank level)")
+    p.add_argument("--node-size", dest="node_size", type=int, default=2,
+                   help="consecutive ranks counted as one node for the off-node column")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per rank per step")
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--hidden", type=int, default=128)
@@ -173,8 +194,8 @@ def main() -> None:
     print(f"tokens/rank {args.tokens}, hidden {args.hidden}, ffn {args.ffn}, E {args.experts}, k {args.top_k}, "
           f"{args.layers} MoE layers, fp32; ideal per step = (T*k*H*4 B*2 directions)*layers*2 (fwd+bwd) "
           f"= {ideal / 2**20:.2f} MiB per rank")
-    header = (f"{'ranks':>5} {'ep':>3} {'etp':>3} {'dispatcher':>14} {'mode':>9} {'sent MiB/step':>14} {'sent/ideal':>10} "
-              f"{'sent/off-rank ideal':>20} {'comm ms':>8} {'step ms':>8} {'comm %':>7}")
+    header = (f"{'ranks':>5} {'ep':>3} {'etp':>3} {'dispatcher':>20} {'mode':>9} {'sent MiB/step':>14} {'sent/ideal':>10} "
+              f"{'sent/off-rank ideal':>20} {'off-node MiB':>12} {'comm ms':>8} {'step ms':>8} {'comm %':>7}")
     print(header)
     print("-" * len(header))
     for ranks in args.eps:
@@ -182,11 +203,13 @@ def main() -> None:
         for i, row in enumerate(gathered[0]):
             per_rank = [g[i] for g in gathered]
             sent = sum(r["bytes"] for r in per_rank) / ranks
+            off_node = sum(r["off_node"] for r in per_rank) / ranks
             comm = sum(r["comm_s"] for r in per_rank) / ranks
             step = max(r["step_s"] for r in per_rank)
             off_rank_ideal = ideal * (ranks - 1) / ranks * row["etp"]  # uniform routing; etp copies of each
-            print(f"{ranks:>5} {row['ep']:>3} {row['etp']:>3} {row['dispatcher']:>14} {row['mode']:>9} "
-                  f"{sent / 2**20:>14.2f} {sent / ideal:>10.2f} {sent / off_rank_ideal:>20.2f} {comm * 1e3:>8.1f} "
+            print(f"{ranks:>5} {row['ep']:>3} {row['etp']:>3} {row['dispatcher']:>20} {row['mode']:>9} "
+                  f"{sent / 2**20:>14.2f} {sent / ideal:>10.2f} {sent / off_rank_ideal:>20.2f} {off_node / 2**20:>12.2f} "
+                  f"{comm * 1e3:>8.1f} "
                   f"{step * 1e3:>8.1f} {100 * comm / step:>6.1f}%", flush=True)
 
 

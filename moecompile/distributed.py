@@ -7,7 +7,7 @@
     result = mc.convert(model, plan, (ids,))   # picks the world up by itself when torch.distributed is up
 
 Fields: ``rank, world_size, ep, ep_rank, ep_group, edp_group, dp_group`` (+ ``edp``, ``edp_rank``,
-``ep_ranks``, ``edp_ranks``, ``timeout_s``, ``etp``). The layout is "parallel folding": dense layers see
+``ep_ranks``, ``edp_ranks``, ``timeout_s``, ``etp``, ``node_ranks``, ``node_group``, ``rail_group``). The layout is "parallel folding": dense layers see
 one data-parallel world, experts see it folded into ``ep`` x ``edp``. Under ``parallel.etp`` the ep group
 spans ``parallel.ep * parallel.etp`` ranks (``World.ep``) holding E*etp expert slices
 (passes/ep_slices.py); everything below is unchanged::
@@ -16,6 +16,10 @@ spans ``parallel.ep * parallel.etp`` ranks (``World.ep``) holding E*etp expert s
     edp groups  {j, j+ep, j+2ep, ...}        hold the same experts on different data
     dp group    all world_size ranks         every dense parameter is replicated here
     e.g. world 4, ep 2:  ep {0,1} {2,3}   edp {0,2} {1,3}   dp {0,1,2,3}
+
+With ``parallel.node_ranks`` = G (node-level alltoall_dedup) each ep group is also cut two ways: ``node_group``,
+its G consecutive ranks on this rank's node, and ``rail_group``, the ranks at this rank's local index on every
+node of the ep group (``World.nodes`` of them), e.g. ep 4, G 2: nodes {0,1} {2,3}, rails {0,2} {1,3}.
 
 **Gradients** (each rank's loss is the mean over its own batch; the step's loss is their mean):
 dense grads ``all_reduce(SUM, dp_group) / world_size``; expert grads ``all_reduce(SUM, edp_group) /

@@ -154,6 +154,6 @@ def measure(gm: fx.GraphModule, layer: MoELayer, world: World, dispatcher: str, 
     agreed = torch.tensor([x0, x1, a, per_byte], dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=world.ep_group)
     x0, x1, a, per_byte = agreed.tolist()
-    # dispatch-side collectives per chunk: allgather x, ids, weights; dedup counts, x, ids, weights
-    exchanges = {"allgather": 3, "alltoall_dedup": 4}.get(dispatcher, 2 if dropless else 1)
+    # dispatch-side collectives per chunk: allgather x, ids, weights; dedup counts, x, ids, weights (per hop)
+    exchanges = {"allgather": 3, "alltoall_dedup": 4 * (2 if world.node_ranks > 1 else 1)}.get(dispatcher, 2 if dropless else 1)
     return LayerCosts(rows, payload, exchanges, x0, x1, a, per_byte)

@@ -7,6 +7,8 @@ distinct (token, other rank) pairs, where the alltoall dispatcher sends every ro
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -256,6 +258,18 @@ def test_node_ranks_must_divide_the_ep_group_and_go_with_dedup():
         mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 4, "dispatcher": "alltoall_dedup", "node_ranks": 3}})
     with pytest.raises(PlanError, match="only dispatcher 'alltoall_dedup' does"):
         mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 4, "node_ranks": 2}})
+
+    from moecompile.models import build_model
+
+    from _dist import fake_rank
+
+    rank_level = mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 4, "dispatcher": "alltoall_dedup"}})
+    node_level = rank_level.replace(parallel=dataclasses.replace(rank_level.parallel, node_ranks=2))
+    with fake_rank(0, 4):
+        world = mc.distributed.init(rank_level)
+        dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=1, seq_len=8)
+        with pytest.raises(PlanError, match="built with 1 ranks per node; build it from this plan"):
+            mc.convert(dense, node_level, (ids,), world=world)
 
 
 @pytest.mark.parametrize("E,k,ep,etp,G", [(8, 2, 4, 1, 2), (16, 4, 8, 1, 4), (8, 2, 2, 2, 2), (8, 2, 2, 4, 4),
