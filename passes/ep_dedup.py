@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import operator
 
@@ -61,16 +62,25 @@ def ranks_reached(E: int, K: int, P: int) -> float:
     return P * (1.0 - missed)
 
 
+def _missed(allowed: int, held: int, K: int) -> float:
+    """Chance that K of ``allowed`` experts, drawn uniformly, miss all ``held`` of them."""
+    return math.comb(allowed - held, K) / math.comb(allowed, K) if K <= allowed - held else 0.0
+
+
 @functools.lru_cache(maxsize=None)  # the planner asks for the same few layouts of every candidate
-def nodes_reached(E: int, K: int, ep: int, etp: int = 1, G: int = 1) -> float:
+def nodes_reached(E: int, K: int, ep: int, etp: int = 1, G: int = 1, groups: int = 1, group_k: int = 1) -> float:
     """Expected distinct nodes (G consecutive ranks of the ep x etp group) a token's K experts' slices sit on,
     under uniform routing: node n is missed when none of the K is among the whole experts U_n it holds a slice
-    of, with probability C(E - |U_n|, K) / C(E, K). G = 1 counts ranks (etp x ranks_reached)."""
-    P, per = ep * etp, E // ep
+    of, with probability C(E - |U_n|, K) / C(E, K). G = 1 counts ranks (etp x ranks_reached). Group-limited
+    routing (``groups`` contiguous groups, a token's K among ``group_k`` of them, DeepSeek-V3's node-limited
+    routing): the same over the experts of every equally likely choice of groups."""
+    P, per, size = ep * etp, E // ep, E // groups
+    choices = [range(E)] if groups == 1 or group_k >= groups else [
+        [e for g in gs for e in range(g * size, (g + 1) * size)] for gs in itertools.combinations(range(groups), group_k)]
     total = 0.0
     for n in range(P // G):
         held = {e for r in range(n * G, (n + 1) * G) for e in range((r % ep) * per, (r % ep + 1) * per)}
-        total += 1.0 - (math.comb(E - len(held), K) / math.comb(E, K) if K <= E - len(held) else 0.0)
+        total += 1.0 - sum(_missed(len(c), len(held.intersection(c)), K) for c in choices) / len(choices)
     return total
 
 

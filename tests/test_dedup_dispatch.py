@@ -8,6 +8,7 @@ distinct (token, other rank) pairs, where the alltoall dispatcher sends every ro
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -337,3 +338,21 @@ def test_a_node_level_graph_is_estimated_and_profiled_as_the_rank_level_one():
     (act, flops, rows), (act_n, flops_n, rows_n) = out[1], out[2]
     assert flops_n == flops and rows_n == rows and rows[1] > 0
     assert act < act_n < 1.3 * act  # the second hop's buffers: each token's rows, ids and weights once more
+
+
+@pytest.mark.parametrize("E,k,ep,G,groups,group_k", [(8, 2, 4, 2, 4, 2), (16, 4, 8, 2, 4, 2), (16, 3, 4, 1, 8, 2),
+                                                      (12, 2, 6, 3, 3, 1)])
+def test_group_limited_routing_reaches_the_nodes_its_groups_allow(E, k, ep, G, groups, group_k):
+    """DeepSeek-V3's node-limited routing: a token's k experts among the experts of group_k of the groups (each
+    choice of groups equally likely, then every k of their experts): the mean distinct nodes, enumerated."""
+    import itertools
+
+    from moecompile.passes.ep_dedup import nodes_reached
+
+    per, size = E // ep, E // groups
+    reached = []
+    for gs in itertools.combinations(range(groups), group_k):
+        allowed = [e for g in gs for e in range(g * size, (g + 1) * size)]
+        reached += [sum(len({(e // per) // G for e in s}) for s in itertools.combinations(allowed, k))
+                    / math.comb(len(allowed), k)]
+    assert nodes_reached(E, k, ep, 1, G, groups, group_k) == pytest.approx(sum(reached) / len(reached))

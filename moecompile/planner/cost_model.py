@@ -11,7 +11,8 @@ The model, per micro-batch and rank (T tokens of the micro-batch, /tp with seque
   times the share that leaves the rank, split by where the peers are (NVLink vs NIC), plus a
   latency per exchange; forward dispatch + combine and their backward mirrors. ``alltoall_dedup``
   sends each token once per distinct rank of its experts (their expected number under uniform
-  routing, :func:`distinct_ranks`) with its k expert ids and weights; at node level (``node_ranks``)
+  routing, :func:`distinct_ranks`, among the groups it may use under group-limited routing) with its k
+  expert ids and weights; at node level (``node_ranks``)
   once per distinct node over the inter-node rail, then once per distinct rank inside the node
   (:func:`dedup_hops`); ``allgather`` every peer's tokens.
 - overlap: with the overlap pass's N chunks the MoE block runs as a 3-stage pipeline
@@ -322,9 +323,13 @@ def _packs_weights(par: Any, cluster: Cluster, rows_bytes: float) -> bool:
     return par.packs_routing_weights(rows_bytes, "cpu" if cluster.name.startswith("cpu") else "cuda")
 
 
-def distinct_ranks(num_experts: int, top_k: int, ep: int, etp: int = 1) -> float:
+def distinct_ranks(num_experts: int, top_k: int, ep: int, etp: int = 1, groups: int = 1, group_k: int = 1) -> float:
     """Expected distinct ranks a token's k experts sit on under uniform routing (``ep_dedup.ranks_reached`` over
-    the ep ranks of whole experts); under etp each expert's slices sit on etp ranks more."""
+    the ep ranks of whole experts); under etp each expert's slices sit on etp ranks more; under group-limited
+    routing among the ``group_k`` of ``groups`` groups a token may use (``ep_dedup.nodes_reached``, one rank a
+    node)."""
+    if groups > 1 and group_k < groups:
+        return nodes_reached(num_experts, top_k, ep, etp, 1, groups, group_k)
     return etp * ranks_reached(num_experts, top_k, ep)
 
 
@@ -333,10 +338,12 @@ def dedup_hops(profile: ModelProfile, cand: Candidate, lp: LayerProfile, scale: 
     at node level (``parallel.node_ranks`` = G) over the rail (one rank a node, stride G: the slow links), to each
     node a token needs, then inside the node to each rank it needs (as many rows as the rank-level exchange)."""
     tokens, G = lp.hidden_bytes * scale / cand.tp, cand.node_ranks
-    ranks = tokens * distinct_ranks(profile.num_experts, profile.top_k, cand.ep, cand.etp)
+    ex = cand.plan.experts
+    limit = (getattr(ex, "route_groups", 1), getattr(ex, "route_group_top_k", 1))  # DeepSeek-V3's node-limited routing
+    ranks = tokens * distinct_ranks(profile.num_experts, profile.top_k, cand.ep, cand.etp, *limit)
     if G == 1:
         return [(ranks, cand.expert_ranks, 1)]
-    nodes = nodes_reached(profile.num_experts, profile.top_k, cand.ep, cand.etp, G)
+    nodes = nodes_reached(profile.num_experts, profile.top_k, cand.ep, cand.etp, G, *limit)
     return [(tokens * nodes, cand.expert_ranks // G, G), (ranks, G, 1)]
 
 
