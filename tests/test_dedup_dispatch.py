@@ -241,16 +241,19 @@ def node_worker(rank: int, world: int) -> dict:
             res["node_pairs"] = sum(len(set((row // 2).tolist()) - {me}) for idx in meter.idx for row in idx)
             res["rank_pairs"] = sum(len(set(row.tolist()) - {rank}) for idx in meter.idx for row in idx)
         res[name] = _run({}, rank, world, STEPS, step)
+    chunked = {"experts": EXPERTS, "parallel": {"ep": world, "node_ranks": 2, "dispatcher": "alltoall_dedup"},
+               "overlap": {"enabled": True, "chunks": 2}}  # both hops of each chunk, the backward's too
+    res["node_chunks"] = _run(chunked, rank, world, STEPS)
     return res
 
 
 @pytest.mark.distributed
 def test_node_level_dedup_crosses_nodes_once_per_token_and_trains_like_one_process():
     """4 ranks as 2 nodes of 2: a token goes once to each other node holding one of its experts (then fans out
-    inside it), and the run equals one process per rank, also under etp."""
+    inside it), and the run equals one process per rank, also under etp and overlapped in chunks."""
     for r in spawn(node_worker, 4, (), timeout=400):
-        _same_run(r["node"], r["dp"])
-        _same_run(r["node_etp"], r["dp"])
+        for name in ("node", "node_etp", "node_chunks"):
+            _same_run(r[name], r["dp"])
         assert r["rail_rows"] == r["node_pairs"] < r["rank_pairs"]
 
 
