@@ -176,27 +176,30 @@ def test_the_planner_prices_dedup_by_the_distinct_ranks_and_searches_it_dropless
     assert modes == {"dropless"}
 
 
-def test_a_dedup_graph_is_estimated_and_profiled_as_the_alltoall_one():
-    """The memory estimator takes balanced counts for its data-dependent splits (the dispatcher states them), and
-    the planner's profile finds the routed rows it stands for: the same bytes and FLOPs as the alltoall graph."""
+def _estimated(ranks: int, parallel: dict) -> tuple[int, float, list]:
+    """(activations the memory estimator keeps, profile FLOPs, dispatch bytes per layer) of rank 0's graph of
+    ``ranks``, which must also be capture-safe outside the expert path (partial CUDA graphs: the sorts, gathers
+    and host syncs stay eager)."""
     from moecompile.cuda_graphs import check_capture_safety
     from moecompile.models import build_model
     from moecompile.planner import profile_result
 
     from _dist import fake_rank
 
-    out = {}
-    with fake_rank(0, 2, ep_step=True):
-        for dispatcher in ("alltoall", "alltoall_dedup"):
-            dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=2, seq_len=16)
-            plan = mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 2, "dispatcher": dispatcher}})
-            mc.distributed.init(plan)
-            result = mc.convert(dense, plan, (ids,))
-            prof = profile_result(result)
-            out[dispatcher] = (mc.estimate_memory(result).activations, prof.flops,
-                               [lp.dispatch_bytes for lp in prof.layers])
-            # partial CUDA graphs: its sorts, gathers and host sync are on the expert path, kept eager
-            assert check_capture_safety(result, region="static").safe
+    with fake_rank(0, ranks, ep_step=True):
+        dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=2, seq_len=16)
+        plan = mc.Plan.from_dict({"experts": EXPERTS, "parallel": parallel})
+        mc.distributed.init(plan)
+        result = mc.convert(dense, plan, (ids,))
+        prof = profile_result(result)
+        assert check_capture_safety(result, region="static").safe
+        return mc.estimate_memory(result).activations, prof.flops, [lp.dispatch_bytes for lp in prof.layers]
+
+
+def test_a_dedup_graph_is_estimated_and_profiled_as_the_alltoall_one():
+    """The memory estimator takes balanced counts for its data-dependent splits (the dispatcher states them), and
+    the planner's profile finds the routed rows it stands for: the same bytes and FLOPs as the alltoall graph."""
+    out = {d: _estimated(2, {"ep": 2, "dispatcher": d}) for d in ("alltoall", "alltoall_dedup")}
     (act, flops, rows), (act_d, flops_d, rows_d) = out["alltoall"], out["alltoall_dedup"]
     assert flops_d == flops and rows_d == rows and rows[1] > 0
     assert 0.8 * act < act_d < 1.25 * act  # its own buffers: the ids, weights and sort keys of the tokens it sends
@@ -320,24 +323,7 @@ def test_the_planner_prices_node_level_dedup_by_the_nodes_it_crosses_to():
 def test_a_node_level_graph_is_estimated_and_profiled_as_the_rank_level_one():
     """The memory estimator takes each hop's balanced counts (a rank gets T x ranks / G rows from each node peer);
     the profile finds the routed rows once, on the first hop; the static region stays capture-safe."""
-    from moecompile.cuda_graphs import check_capture_safety
-    from moecompile.models import build_model
-    from moecompile.planner import profile_result
-
-    from _dist import fake_rank
-
-    out = {}
-    with fake_rank(0, 4, ep_step=True):
-        for node_ranks in (1, 2):
-            dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=2, seq_len=16)
-            plan = mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 4, "dispatcher": "alltoall_dedup",
-                                                                       "node_ranks": node_ranks}})
-            mc.distributed.init(plan)
-            result = mc.convert(dense, plan, (ids,))
-            prof = profile_result(result)
-            out[node_ranks] = (mc.estimate_memory(result).activations, prof.flops,
-                               [lp.dispatch_bytes for lp in prof.layers])
-            assert check_capture_safety(result, region="static").safe
+    out = {g: _estimated(4, {"ep": 4, "dispatcher": "alltoall_dedup", "node_ranks": g}) for g in (1, 2)}
     (act, flops, rows), (act_n, flops_n, rows_n) = out[1], out[2]
     assert flops_n == flops and rows_n == rows and rows[1] > 0
     assert act < act_n < 1.3 * act  # the second hop's buffers: each token's rows, ids and weights once more
