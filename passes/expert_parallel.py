@@ -21,7 +21,8 @@ After, ``alltoall`` (rank keeps experts [lo, hi), L = E/ep of them; M rows arriv
 of its expert's slices (ep_slices.py); everything here then runs over the E*etp slice-experts and ep*etp ranks.
 
 ``alltoall_dedup`` (ep_dedup.py): each token once to every rank holding one of its experts, that rank's
-partial sum back.
+partial sum back; with ``parallel.node_ranks`` once to every node over the rail group, then inside the node
+group (two hops each way, on the World's node and rail groups).
 
 ``allgather``: gather x_TH / idx_TK / w_TK of the ep group, permute the gathered tokens to the
 local experts, run them, unpermute into a partial [ep*T, H], reduce-scatter the sum back.
