@@ -7,8 +7,9 @@
     result = mc.convert(model, plan, (ids,))   # picks the world up by itself when torch.distributed is up
 
 Fields: ``rank, world_size, ep, ep_rank, ep_group, edp_group, dp_group`` (+ ``edp``, ``edp_rank``,
-``ep_ranks``, ``edp_ranks``, ``timeout_s``, ``etp``, ``node_ranks``, ``node_group``, ``rail_group``). The layout is "parallel folding": dense layers see
-one data-parallel world, experts see it folded into ``ep`` x ``edp``. Under ``parallel.etp`` the ep group
+``ep_ranks``, ``edp_ranks``, ``timeout_s``, ``etp``, ``node_ranks``, ``node_group``, ``rail_group``). The
+layout is "parallel folding": dense layers see one data-parallel world, experts see it folded into ``ep`` x
+``edp``. Under ``parallel.etp`` the ep group
 spans ``parallel.ep * parallel.etp`` ranks (``World.ep``) holding E*etp expert slices
 (passes/ep_slices.py); everything below is unchanged::
 

@@ -55,16 +55,15 @@ def _total(em: Emit, counts: list) -> fx.Node:
     return total
 
 
-def ranks_reached(E: int, K: int, P: int) -> float:
-    """Expected distinct ranks a token's K experts sit on under uniform routing, P ranks of E/P experts each: a
-    rank is missed when none of the K is among its E/P, with probability C(E - E/P, K) / C(E, K)."""
-    missed = math.comb(E - E // P, K) / math.comb(E, K) if K <= E - E // P else 0.0
-    return P * (1.0 - missed)
-
-
 def _missed(allowed: int, held: int, K: int) -> float:
     """Chance that K of ``allowed`` experts, drawn uniformly, miss all ``held`` of them."""
     return math.comb(allowed - held, K) / math.comb(allowed, K) if K <= allowed - held else 0.0
+
+
+def ranks_reached(E: int, K: int, P: int) -> float:
+    """Expected distinct ranks a token's K experts sit on under uniform routing, P ranks of E/P experts each: a
+    rank is missed when none of the K is among its E/P, with probability C(E - E/P, K) / C(E, K)."""
+    return P * (1.0 - _missed(E, E // P, K))
 
 
 @functools.lru_cache(maxsize=None)  # the planner asks for the same few layouts of every candidate
@@ -144,6 +143,27 @@ def _hop(em: Emit, x: fx.Node, idx: fx.Node, w: fx.Node, dest: fx.Node, P: int, 
     return Hop(what, group, tok_N, send, recv, pairs, *arrived)
 
 
+def _dispatch(em: Emit, world: World, x_TH: fx.Node, idx_TK: fx.Node, w_TK: fx.Node, E: int, top_k: int) -> list[Hop]:
+    """The hops a token takes to the ranks of its experts: one over the ep group, or at node level over the rail
+    to each node needed, then inside the node to each rank needed (other nodes' experts: nowhere, G)."""
+    P, G, L = world.ep, world.node_ranks, E // world.ep
+    T, device = int(x_TH.meta["val"].shape[0]), x_TH.meta["val"].device
+    if G == 1:
+        dest_TK = em(D, aten.div.Scalar_mode, idx_TK, L, rounding_mode="floor")
+        return [_hop(em, x_TH, idx_TK, w_TK, dest_TK, P, em.group, balanced_counts(T, top_k, E, P), "dispatch",
+                     device, T * top_k)]
+    N, node = world.nodes, world.ep_rank // G
+    rail = _hop(em, x_TH, idx_TK, w_TK, em(D, aten.div.Scalar_mode, idx_TK, L * G, rounding_mode="floor"), N,
+                world.rail_group.group_name, (T * ranks_reached(E, top_k, N) / N, T * top_k / N), "dispatch to nodes",
+                device, T * top_k)
+    local = em(D, aten.sub.Scalar, em(D, aten.div.Scalar_mode, rail.idx, L, rounding_mode="floor"), node * G)
+    on_node = em(D, aten.bitwise_and.Tensor, em(D, aten.ge.Scalar, local, 0), em(D, aten.lt.Scalar, local, G))
+    # balanced: a rank gets its T x ranks-reached tokens and T x k pairs from its G node peers
+    return [rail, _hop(em, rail.x, rail.idx, rail.w, em(D, aten.where.ScalarOther, on_node, local, G), G,
+                       world.node_group.group_name, (T * ranks_reached(E, top_k, P) / G, T * top_k / G),
+                       "dispatch in node", device)]
+
+
 def rewrite(gm: fx.GraphModule, em: Emit, world: World, top_k: int) -> None:
     """``top_k``: the routed choices per token, slices included (experts.top_k x parallel.etp)."""
     block, P = em.block, world.ep
@@ -153,7 +173,6 @@ def rewrite(gm: fx.GraphModule, em: Emit, world: World, top_k: int) -> None:
     x_TH, idx_TK = block.permute.args[:2]
     w_TK = block.permute.args[2]
     device = x_TH.meta["val"].device
-    T0 = int(x_TH.meta["val"].shape[0])
 
     with em.at(block.permute):  # the router stats count every routed pair of this rank's tokens, as before
         idx_A = em(D, aten.reshape.default, idx_TK, [-1])
@@ -162,22 +181,7 @@ def rewrite(gm: fx.GraphModule, em: Emit, world: World, top_k: int) -> None:
     replace_load(gm, block, load_E)
 
     with em.at(block.experts[0]):
-        G, N = world.node_ranks, world.nodes
-        if G > 1:  # over the rail to each node needed, then inside the node to each rank needed
-            node = world.ep_rank // G
-            reached = ranks_reached(E, top_k, N)
-            rail = _hop(em, x_TH, idx_TK, w_TK, em(D, aten.div.Scalar_mode, idx_TK, L * G, rounding_mode="floor"),
-                        N, world.rail_group.group_name, (T0 * reached / N, T0 * top_k / N), "dispatch to nodes",
-                        device, T0 * top_k)
-            local = em(D, aten.sub.Scalar, em(D, aten.div.Scalar_mode, rail.idx, L, rounding_mode="floor"), node * G)
-            local = em(D, aten.where.ScalarOther, em(D, aten.bitwise_and.Tensor, em(D, aten.ge.Scalar, local, 0),
-                                                      em(D, aten.lt.Scalar, local, G)), local, G)
-            hops = [rail, _hop(em, rail.x, rail.idx, rail.w, local, G, world.node_group.group_name,
-                               (T0 * ranks_reached(E, top_k, P) / G, T0 * top_k / G), "dispatch in node", device)]
-        else:
-            dest_TK = em(D, aten.div.Scalar_mode, idx_TK, L, rounding_mode="floor")
-            hops = [_hop(em, x_TH, idx_TK, w_TK, dest_TK, P, em.group, balanced_counts(T0, top_k, E, P), "dispatch",
-                         device, T0 * top_k)]
+        hops = _dispatch(em, world, x_TH, idx_TK, w_TK, E, top_k)
         last = hops[-1]
         x_MH, idx_MK, w_MK = last.x, last.idx, last.w
         M, K = _total(em, last.recv), em(D, aten.sym_size.int, idx_MK, 1)
