@@ -263,6 +263,8 @@ def test_node_level_dedup_crosses_nodes_once_per_token_and_trains_like_one_proce
 def test_node_ranks_must_divide_the_ep_group_and_go_with_dedup():
     with pytest.raises(PlanError, match="node_ranks.*must divide the ep group's 4 ranks"):
         mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 4, "dispatcher": "alltoall_dedup", "node_ranks": 3}})
+    for ep in (1, 2):  # an ep group inside one node: rank level, so a plan written for 8 a node runs at ep 1 or 2
+        mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": ep, "dispatcher": "alltoall_dedup", "node_ranks": 8}})
     with pytest.raises(PlanError, match="only dispatcher 'alltoall_dedup' does"):
         mc.Plan.from_dict({"experts": EXPERTS, "parallel": {"ep": 4, "node_ranks": 2}})
 

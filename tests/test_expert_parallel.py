@@ -128,7 +128,7 @@ def reference(model, p: mc.Plan, xs, targets, setup=None, autocast: bool = False
     """ep = 1 over every rank's shard in this process: per-shard outputs and losses, mean-loss grads."""
     import dataclasses
 
-    single = p.replace(parallel=dataclasses.replace(p.parallel, ep=1, dispatcher="alltoall"))
+    single = p.replace(parallel=dataclasses.replace(p.parallel, ep=1, dispatcher="alltoall", node_ranks=1))
     key = (id(model), repr(single), setup, autocast)
     if key in _REFERENCES:
         return _REFERENCES[key]

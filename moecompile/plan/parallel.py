@@ -58,8 +58,9 @@ class ParallelConfig(Section):
         "alltoall_dedup at node level (DeepEP's internode dispatch): the ep group's ranks per node. A token then "
         "crosses the slow inter-node links once per node holding one of its experts (to the rank of its own local "
         "index there) and fans out over the node's fast links to the ranks that hold them; partial sums come back "
-        "the same two ways. 1: rank level (one exchange). Must divide ep x etp; consecutive ranks share a node, "
-        "as torchrun numbers them.",
+        "the same two ways. 1: rank level (one exchange). Must divide ep x etp (or be a multiple of it: the ep group "
+        "then fits one node, and the exchange is rank level); consecutive ranks share a node, as torchrun numbers "
+        "them.",
     )
     capacity_factor: Union[float, None] = doc_field(
         None,
@@ -141,9 +142,10 @@ class ParallelConfig(Section):
             self.fail("ep", "must be >= 1")
         if self.etp < 1:
             self.fail("etp", "must be >= 1")
-        if self.node_ranks < 1 or self.expert_ranks % self.node_ranks:
-            self.fail("node_ranks", f"must divide the ep group's {self.expert_ranks} ranks (ep x etp): a node holds "
-                      "whole consecutive ranks of it")
+        P, G = self.expert_ranks, self.node_ranks
+        if G < 1 or (P % G and G % P):  # G >= P: the ep group sits in one node, rank level (a plan stays portable)
+            self.fail("node_ranks", f"must divide the ep group's {P} ranks (ep x etp), or be a multiple of them (the "
+                      "group then sits in one node): a node holds whole consecutive ranks of it")
         if self.node_ranks > 1 and self.dispatcher != "alltoall_dedup":
             self.fail("node_ranks", "de-duplicates per node, which only dispatcher 'alltoall_dedup' does: set "
                       "parallel.dispatcher: alltoall_dedup, or node_ranks: 1")
