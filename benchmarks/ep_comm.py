@@ -5,6 +5,7 @@
     python benchmarks/ep_comm.py --eps 2 4 --etps 1 2 --modes dropless   # the same ranks as ep or as ep x etp
     python benchmarks/ep_comm.py --dispatchers alltoall alltoall_dedup --modes dropless --experts 64 --top-k 8
     python benchmarks/ep_comm.py --eps 4 --node-ranks 1 2 --dispatchers alltoall alltoall_dedup --modes dropless
+    python benchmarks/ep_comm.py ... --experts 64 --top-k 8 --route-groups 4 --route-group-top-k 2   # node-limited
 
 Each rank count runs in its own spawned world (world = ep x etp; etp = 1 unless --etps). A model of
 MoE layers only (residual GLU FFNs upcycled to E experts, top-k) is converted with the plan; every
@@ -124,6 +125,8 @@ def worker(rank: int, world: int, port: int, cfg: dict, out: Any) -> None:
             parallel["capacity_factor"] = cfg["capacity_factor"]
         try:
             plan = mc.Plan.from_dict({"experts": {"num_experts": cfg["experts"], "top_k": cfg["top_k"],
+                                                  "route_groups": cfg["route_groups"],
+                                                  "route_group_top_k": cfg["route_group_top_k"],
                                                   "router_noise": 0.1}, "parallel": parallel})
         except mc.PlanError:  # e.g. alltoall_dedup is dropless only: the same on every rank, skipped by all
             continue
@@ -184,6 +187,10 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", dest="top_k", type=int, default=2)
+    p.add_argument("--route-groups", dest="route_groups", type=int, default=1,
+                   help="group-limited routing (DeepSeek-V3's n_group): this many expert groups")
+    p.add_argument("--route-group-top-k", dest="route_group_top_k", type=int, default=1,
+                   help="groups a token may pick from (topk_group)")
     p.add_argument("--capacity-factor", dest="capacity_factor", type=float, default=1.25)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
@@ -191,7 +198,8 @@ def main() -> None:
     args = p.parse_args()
     cfg = vars(args)
     ideal = 2 * args.tokens * args.top_k * args.hidden * 4 * 2 * args.layers  # per rank per step: fwd + bwd, fp32
-    print(f"tokens/rank {args.tokens}, hidden {args.hidden}, ffn {args.ffn}, E {args.experts}, k {args.top_k}, "
+    groups = f" within {args.route_group_top_k} of {args.route_groups} groups" if args.route_groups > 1 else ""
+    print(f"tokens/rank {args.tokens}, hidden {args.hidden}, ffn {args.ffn}, E {args.experts}, k {args.top_k}{groups}, "
           f"{args.layers} MoE layers, fp32; ideal per step = (T*k*H*4 B*2 directions)*layers*2 (fwd+bwd) "
           f"= {ideal / 2**20:.2f} MiB per rank")
     header = (f"{'ranks':>5} {'ep':>3} {'etp':>3} {'dispatcher':>20} {'mode':>9} {'sent MiB/step':>14} {'sent/ideal':>10} "
