@@ -292,21 +292,24 @@ def expert_parallel(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         assert world is not None
         from . import ep_allgather, ep_alltoall, ep_dedup  # they build on Emit / Block above
 
-        em, weights = Emit(gm, block, world.ep_group_name), ""
+        em, detail = Emit(gm, block, world.ep_group_name), ""
         if cfg.dispatcher == "alltoall":
             pack = ep_alltoall.packs_weights(block, cfg)
             if block.row_weights is not None:
-                weights = (", routing weights packed into the rows' all-to-all" if pack else
-                           ", routing weights in an all-to-all of their own")
+                detail = (", routing weights packed into the rows' all-to-all" if pack else
+                          ", routing weights in an all-to-all of their own")
             ep_alltoall.rewrite(gm, em, world, capacity, pack_weights=pack)
         elif cfg.dispatcher == "alltoall_dedup":
             assert capacity is None  # the plan allows it dropless only
             ep_dedup.rewrite(gm, em, world, ctx.plan.experts.top_k * cfg.etp)
+            if world.node_ranks > 1:
+                G, j = world.node_ranks, world.ep_rank
+                detail = f", per node: node {world.ep_ranks[j - j % G:j - j % G + G]}, rail {world.ep_ranks[j % G::G]}"
         else:
             ep_allgather.rewrite(gm, em, world, capacity)
         ctx.decide(
             f"{block.layer}: experts [{lo}, {hi}) of {E}{sliced} on ep rank {world.ep_rank}/{world.ep} "
-            f"(group {world.ep_ranks}), {cfg.dispatcher} dispatch, {mode}{weights}"
+            f"(group {world.ep_ranks}), {cfg.dispatcher} dispatch, {mode}{detail}"
         )
         layers.append(block.layer)
     ctx.record(ep=cfg.ep, etp=cfg.etp, dispatcher=cfg.dispatcher, dispatch_mode=cfg.dispatch_mode, layers=layers,

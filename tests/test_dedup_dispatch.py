@@ -243,6 +243,7 @@ def node_worker(rank: int, world: int) -> dict:
             res["rail_rows"] = sum(sum(s for j, s in enumerate(splits) if j != me) for g, splits in meter.calls[0::4])
             res["node_pairs"] = sum(len(set((row // 2).tolist()) - {me}) for idx in meter.idx for row in idx)
             res["rank_pairs"] = sum(len(set(row.tolist()) - {rank}) for idx in meter.idx for row in idx)
+            res["decision"] = next(r for r in result.history if r.name == "expert_parallel").decisions[0]
         res[name] = _run({}, rank, world, STEPS, step)
     chunked = {"experts": EXPERTS, "parallel": {"ep": world, "node_ranks": 2, "dispatcher": "alltoall_dedup"},
                "overlap": {"enabled": True, "chunks": 2}}  # both hops of each chunk, the backward's too
@@ -254,10 +255,13 @@ def node_worker(rank: int, world: int) -> dict:
 def test_node_level_dedup_crosses_nodes_once_per_token_and_trains_like_one_process():
     """4 ranks as 2 nodes of 2: a token goes once to each other node holding one of its experts (then fans out
     inside it), and the run equals one process per rank, also under etp and overlapped in chunks."""
-    for r in spawn(node_worker, 4, (), timeout=400):
+    ranks = spawn(node_worker, 4, (), timeout=400)
+    for r in ranks:
         for name in ("node", "node_etp", "node_chunks"):
             _same_run(r[name], r["dp"])
         assert r["rail_rows"] == r["node_pairs"] < r["rank_pairs"]
+    assert [r["decision"].split("per node: ")[1] for r in ranks] == [
+        "node (0, 1), rail (0, 2)", "node (0, 1), rail (1, 3)", "node (2, 3), rail (0, 2)", "node (2, 3), rail (1, 3)"]
 
 
 def test_node_ranks_must_divide_the_ep_group_and_go_with_dedup():
