@@ -321,6 +321,10 @@ def test_the_planner_prices_node_level_dedup_by_the_nodes_it_crosses_to():
         terms[node_ranks] = estimate(prof, cluster, cand, global_batch=16).term("dispatch+combine")
         assert ("/node8" in cand.describe()) == (node_ranks == 8)
     assert 0.4 * terms[1] < terms[8] < 0.6 * terms[1]
+    inside = mc.Plan.from_dict({"experts": fine, "parallel": {"ep": 4, "dispatcher": "alltoall_dedup", "node_ranks": 8}})
+    rank_level = mc.Plan.from_dict({"experts": fine, "parallel": {"ep": 4, "dispatcher": "alltoall_dedup"}})
+    assert Candidate(inside).node_ranks == 1  # 4 ranks inside a node of 8: priced as the runtime runs it
+    assert estimate(prof, cluster, Candidate(inside), 16).step_s == estimate(prof, cluster, Candidate(rank_level), 16).step_s
     cands, _ = enumerate_candidates(fine, cluster, 16, SearchSpace(expert_parallel=True, micro_batches=(1,)))
     node_level = {(c.ep, c.plan.parallel.dispatcher) for c in cands if c.node_ranks > 1}
     assert node_level == {(16, "alltoall_dedup")}  # ep 8 fits one node: rank level only
