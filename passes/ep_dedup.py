@@ -75,7 +75,8 @@ def nodes_reached(E: int, K: int, ep: int, etp: int = 1, G: int = 1, groups: int
     routing): the same over the experts of every equally likely choice of groups."""
     P, per, size = ep * etp, E // ep, E // groups
     choices = [range(E)] if groups == 1 or group_k >= groups else [
-        [e for g in gs for e in range(g * size, (g + 1) * size)] for gs in itertools.combinations(range(groups), group_k)]
+        [e for g in gs for e in range(g * size, (g + 1) * size)]
+        for gs in itertools.combinations(range(groups), group_k)]
     total = 0.0
     for n in range(P // G):
         held = {e for r in range(n * G, (n + 1) * G) for e in range((r % ep) * per, (r % ep + 1) * per)}

@@ -155,5 +155,6 @@ def measure(gm: fx.GraphModule, layer: MoELayer, world: World, dispatcher: str, 
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=world.ep_group)
     x0, x1, a, per_byte = agreed.tolist()
     # dispatch-side collectives per chunk: allgather x, ids, weights; dedup counts, x, ids, weights (per hop)
-    exchanges = {"allgather": 3, "alltoall_dedup": 4 * (2 if world.node_ranks > 1 else 1)}.get(dispatcher, 2 if dropless else 1)
+    hops = 2 if world.node_ranks > 1 else 1
+    exchanges = {"allgather": 3, "alltoall_dedup": 4 * hops}.get(dispatcher, 2 if dropless else 1)
     return LayerCosts(rows, payload, exchanges, x0, x1, a, per_byte)

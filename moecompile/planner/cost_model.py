@@ -428,7 +428,8 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
                 for nbytes, size, stride in hops:
                     t += _exchange(cluster, nbytes, size, stride)[0]
                     ids = nbytes / lp.hidden_bytes * profile.tokens * profile.top_k * DEDUP_ID_BYTES
-                    count_x += cluster.link(cluster.span(size, stride)).latency + 2 * _exchange(cluster, ids, size, stride)[0]
+                    count_x += (cluster.link(cluster.span(size, stride)).latency  # the hop's count exchange
+                                + 2 * _exchange(cluster, ids, size, stride)[0])
                 weights_how = f" + the tokens' expert ids and weights ({DEDUP_ID_BYTES} B each of k)"
                 if len(hops) > 1:
                     a2a_detail = (_exchange(cluster, hops[0][0], hops[0][1], hops[0][2])[1] + " to the nodes, then "
