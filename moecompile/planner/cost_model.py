@@ -71,7 +71,7 @@ from ..kernels.adamw import host_traffic
 from ..grad_shards import IN_FLIGHT
 from ..memory_shards import IN_FLIGHT_PARAM_BUCKETS
 from ..optimizer_offload import transfer_bytes
-from ..passes.ep_dedup import nodes_reached, ranks_reached
+from ..passes.ep_dedup import nodes_reached
 from .cluster import GiB, Cluster, Span
 from . import whole_buckets
 from .profile import LayerProfile, ModelProfile, NodeCost
@@ -326,13 +326,9 @@ def _packs_weights(par: Any, cluster: Cluster, rows_bytes: float) -> bool:
 
 
 def distinct_ranks(num_experts: int, top_k: int, ep: int, etp: int = 1, groups: int = 1, group_k: int = 1) -> float:
-    """Expected distinct ranks a token's k experts sit on under uniform routing (``ep_dedup.ranks_reached`` over
-    the ep ranks of whole experts); under etp each expert's slices sit on etp ranks more; under group-limited
-    routing among the ``group_k`` of ``groups`` groups a token may use (``ep_dedup.nodes_reached``, one rank a
-    node)."""
-    if groups > 1 and group_k < groups:
-        return nodes_reached(num_experts, top_k, ep, etp, 1, groups, group_k)
-    return etp * ranks_reached(num_experts, top_k, ep)
+    """Expected distinct ranks a token's k experts (their slices, under etp) sit on under uniform routing, among
+    the ``group_k`` of ``groups`` groups it may use: ``ep_dedup.nodes_reached`` with one rank a node."""
+    return nodes_reached(num_experts, top_k, ep, etp, 1, groups, group_k)
 
 
 def dedup_hops(profile: ModelProfile, cand: Candidate, lp: LayerProfile, scale: float) -> list[tuple[float, int, int]]:
