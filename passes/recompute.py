@@ -144,7 +144,8 @@ class _Graph:
 
 
 def build_units(g: _Graph, regions: list[Region]) -> list[Unit]:
-    """Merge touching regions, make each convex, and add the consumers it can take along."""
+    """Merge touching regions, make each convex, and add the consumers it can take along; units that
+    still share a node (a region's consumer is another's node, through a view) merge too."""
     groups = [[r] for r in regions]
     merged = True
     while merged:  # regions that share or pass a value to each other become one unit
@@ -159,20 +160,27 @@ def build_units(g: _Graph, regions: list[Region]) -> list[Unit]:
                     break
             if merged:
                 break
-    units = []
-    for group in groups:
-        r = set().union(*(x.nodes for x in group))
-        r |= g.between(r)
-        c = g.savers_of(r)
-        for _ in range(32):  # keep the unit convex: views on the way join C; a consumer behind real work leaves
-            extra = g.between(r | c)
-            if not extra:
-                break
-            costly = {n for n in extra if not _is_view_like(n)}
-            c |= extra - costly
-            c -= {n for n in c if ancestors_within([n], extra | c) & costly}
-        units.append(Unit(group, r, c))
-    return units
+    while True:
+        units = [_unit(g, group) for group in groups]
+        shared = next(((i, j) for i in range(len(units)) for j in range(i + 1, len(units))
+                       if units[i].nodes & units[j].nodes), None)
+        if shared is None:
+            return units
+        groups[shared[0]] += groups.pop(shared[1])
+
+
+def _unit(g: _Graph, group: list[Region]) -> Unit:
+    r = set().union(*(x.nodes for x in group))
+    r |= g.between(r)
+    c = g.savers_of(r)
+    for _ in range(32):  # keep the unit convex: views on the way join C; a consumer behind real work leaves
+        extra = g.between(r | c)
+        if not extra:
+            break
+        costly = {n for n in extra if not _is_view_like(n)}
+        c |= extra - costly
+        c -= {n for n in c if ancestors_within([n], extra | c) & costly}
+    return Unit(group, r, c)
 
 
 def _is_view_like(n: fx.Node) -> bool:

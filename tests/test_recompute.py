@@ -251,3 +251,16 @@ def test_an_in_place_write_to_a_tensor_from_outside_the_region_is_refused():
     region = {n for n in g.nodes if n.op == "call_function"}
     assert _recomputable(Region("attention", "a", region - {fill_input, input_half}))
     assert not _recomputable(Region("attention", "a", region))
+
+
+@pytest.mark.parametrize("kinds", [["layernorm", "router"], list(REGION_KINDS)])
+def test_regions_meeting_through_a_view_become_one(model, batch, baseline, kinds):
+    """The post-attention norm's output reaches the router's GEMM through a reshape: that GEMM is the norm's
+    consumer and the router's own node, so the two regions must be one unit (once, a KeyError in outline)."""
+    _, (logits0, grads0), _ = baseline
+    result = _convert(model, batch, modules=kinds)
+    if kinds == ["layernorm", "router"]:
+        assert [m.kinds for m in _regions(result).values()].count(["layernorm", "router"]) == 1  # the MoE layer's
+    logits, grads = _step(result, batch)
+    assert torch.equal(logits, logits0)
+    assert grads.keys() == grads0.keys() and all(torch.equal(grads[k], grads0[k]) for k in grads0)
