@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import operator
 from typing import Any, Iterable
 
@@ -381,17 +382,20 @@ def count_tokens(graph: fx.Graph) -> int:
             continue
         if not v.is_floating_point():
             return _concrete(v.numel()) or 0
-        if floats is None:
-            floats = _concrete(v.shape[:-1].numel()) or 0
+        if floats is None:  # math.prod keeps an unbacked size symbolic (torch.Size.numel guards on it)
+            floats = _concrete(math.prod(v.shape[:-1])) or 0
     return floats or 0
 
 
-def graph_costs(graph: fx.Graph | fx.GraphModule, subgraphs: dict[str, tuple[str, dict[str, fx.Graph]]] | None = None) -> GraphCosts:
+def graph_costs(graph: fx.Graph | fx.GraphModule, subgraphs: dict[str, tuple[str, dict[str, fx.Graph]]] | None = None,
+                outer_rows: dict[str, int] | None = None) -> GraphCosts:
     """FLOPs, activation, parameter and communication bytes of one forward graph.
 
     ``subgraphs`` (``PassRecord.subgraphs``; found on the module itself for a GraphModule) lets
     a ``call_module`` node be counted by the graphs inside it; in a recompute region
     (``memory_region == "recompute"``) the outputs of its ``recompute`` graph count as recomputed.
+    ``outer_rows``: the routed rows of the MoE layers of the graph holding this one (a region around the
+    experts holds no permute, so only its caller knows how many rows they receive).
     """
     if isinstance(graph, fx.GraphModule):
         if subgraphs is None:
@@ -407,7 +411,7 @@ def graph_costs(graph: fx.Graph | fx.GraphModule, subgraphs: dict[str, tuple[str
     act = recomputed = params = collectives = 0
     approximate = estimated = False
     seen_attrs: set[str] = set()
-    rows_of = layer_rows(graph)
+    rows_of = {**(outer_rows or {}), **layer_rows(graph)}
 
     def measure(fn: Any, *args: Any) -> int | None:
         """``fn`` on the node's sizes; failing that, with its layer's rows for an unknown row count."""
@@ -429,7 +433,7 @@ def graph_costs(graph: fx.Graph | fx.GraphModule, subgraphs: dict[str, tuple[str
         if node.op == "call_module" and str(node.target) in subgraphs:
             kind, graphs = subgraphs[str(node.target)]
             for path, inner_graph in graphs.items():
-                inner = graph_costs(inner_graph)
+                inner = graph_costs(inner_graph, outer_rows=rows_of)
                 flops_by_op.update(inner.flops_by_op)
                 flops_by_role.update(inner.flops_by_role)
                 comm_by_op.update(inner.comm_by_op)

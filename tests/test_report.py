@@ -330,3 +330,20 @@ def test_comm_bytes_and_flops_after_expert_parallel(tmp_path):
     assert dropless["collectives"] == 3 * L and dropless["estimated"] and not dropless["approximate"]
     assert dropless["flops"] == MOE_FLOPS
     assert "~72.19 KFLOP" in dropless["line"] and "~32.62 KiB" in dropless["line"]
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "alltoall_dedup"])
+def test_recomputed_experts_at_ep_above_1_are_counted_whole(dispatcher):
+    """A recompute region around the experts holds no permute: the rows they receive (a size only the count
+    exchange knows) come from the graph around it. Once its grouped GEMMs counted 0 FLOPs at ep > 1 (every
+    dispatcher), and under alltoall_dedup ``report()`` raised GuardOnDataDependentSymNode counting tokens."""
+    from _dist import fake_rank
+
+    with fake_rank(0, 4, ep_step=True):
+        dense, (ids,) = build_model("tiny-llama", batch_size=1, seq_len=16)
+        plan = {"experts": {"num_experts": 4, "top_k": 1}, "parallel": {"ep": 4, "dispatcher": dispatcher},
+                "recompute": {"modules": ["moe_act"]}}
+        result = mc.convert(dense, plan, (ids,))
+        assert "recompute" in result.report()
+        before, after = result.record("expert_parallel"), graph_costs(result.module)
+        assert after.flops == graph_costs(before.graph, before.subgraphs).flops > 0 and not after.approximate
