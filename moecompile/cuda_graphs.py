@@ -117,6 +117,8 @@ def _data_dependent(a: Any) -> bool:
     """An argument (a size, a split list) whose value only exists at run time."""
     if isinstance(a, fx.Node):
         v = a.meta.get("val")
+        if isinstance(v, (tuple, list)) and any(isinstance(x, torch.Tensor) for x in v):
+            return False  # a multi-output op's results, not a size: the getitem that picks one is judged by its own
         return not isinstance(v, torch.Tensor) and _unbacked(v)
     if isinstance(a, torch.SymInt):
         return _unbacked(a)

@@ -68,6 +68,25 @@ def test_a_host_read_in_the_graph_is_found_and_named():
     assert check_capture_safety(result, region="static").safe
 
 
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "alltoall_dedup"])
+def test_a_region_holding_routed_and_shared_activations_keeps_the_static_part_safe(dispatcher):
+    """``recompute: [moe_act]`` outlines the routed experts' and the shared expert's activations into one region;
+    at ep 2 its output tuple holds rows of a run-time size. The getitem that picks the shared expert's static
+    [T, F] from it was once taken for a dynamic split, so the static region looked unsafe; the one that picks the
+    routed rows has a data-dependent shape of its own and is still found by the whole-step scan."""
+    from _dist import fake_rank
+
+    plan = {"experts": {"num_experts": 4, "top_k": 2, "shared_experts": 1},
+            "parallel": {"ep": 2, "dispatcher": dispatcher}, "recompute": {"modules": ["moe_act"]}}
+    with fake_rank(0, 2, ep_step=True):
+        result, _ = convert(plan)
+    assert check_capture_safety(result, region="static").safe
+    picks = {f.node for f in check_capture_safety(result, backward=False).findings
+             if f.op == "getitem" and f.reason.startswith("has a data-dependent shape")}
+    assert picks and all(n.startswith("getitem") for n in picks)
+
+
 class _HostNorm(torch.autograd.Function):
     """Identity forward; the backward reads the gradient norm on the host (a sync autograd hides)."""
 
