@@ -12,8 +12,10 @@ After ``recompute.modules: [layernorm]``::
 
 Regions come from the graph: ``router`` / ``moe_act`` / ``shared_experts`` / ``moe`` from
 ``meta["moe"]`` roles and layers, ``attention`` / ``layernorm`` / ``mlp`` from
-``nn_module_stack`` (one region per module instance). Adjacent selected regions
-merge into one. ``recompute.budget`` picks regions greedily by bytes freed per
+``nn_module_stack`` (one region per module instance). Touching selected regions
+merge into one unit where the merged unit may still be recomputed (no collective, no
+size only the run knows: at ep > 1 the MoE block's exchange sits between its parts);
+a node two regions claim stays in the larger. ``recompute.budget`` picks regions greedily by bytes freed per
 recompute FLOP until the activation estimate (``moecompile.memory``, fake
 tensors) fits, then drops picks the budget no longer needs. ``recompute.offload``
 outlines its regions into ``OffloadRegion``s instead (passes/regions.py).
@@ -144,29 +146,50 @@ class _Graph:
 
 
 def build_units(g: _Graph, regions: list[Region]) -> list[Unit]:
-    """Merge touching regions, make each convex, and add the consumers it can take along; units that
-    still share a node (a region's consumer is another's node, through a view) merge too."""
-    groups = [[r] for r in regions]
-    merged = True
-    while merged:  # regions that share or pass a value to each other become one unit
-        merged = False
-        for i in range(len(groups)):
-            for j in range(i + 1, len(groups)):
-                a = set().union(*(r.nodes for r in groups[i]))
-                b = set().union(*(r.nodes for r in groups[j]))
-                if a & b or any(u in b for n in a for u in n.users) or any(u in a for n in b for u in n.users):
-                    groups[i] += groups.pop(j)
-                    merged = True
-                    break
-            if merged:
-                break
-    while True:
-        units = [_unit(g, group) for group in groups]
-        shared = next(((i, j) for i in range(len(units)) for j in range(i + 1, len(units))
-                       if units[i].nodes & units[j].nodes), None)
-        if shared is None:
-            return units
-        groups[shared[0]] += groups.pop(shared[1])
+    """Units to outline, in graph order: touching regions merge where the merged unit may be recomputed; a
+    region that cannot join the units it touches stands alone, or is left out (:func:`left_out`) where even
+    alone it would share nodes with one. Each node is in one unit: a node two regions claim belongs to the
+    larger region, and a consumer another unit recomputes, or that an earlier unit takes along, is dropped
+    (a consumer is only a saving, never needed)."""
+    units: list[Unit] = []
+    for r in sorted(_disjoint(regions), key=lambda r: min(g.order[n] for n in r.nodes)):
+        alone = _unit(g, [r])
+        near = [u for u in units if alone.nodes & u.nodes or _touch(u.recompute, r.nodes)]
+        merged = _unit(g, [x for u in near for x in u.regions] + [r])
+        if _may_recompute(merged) and not any(merged.nodes & u.nodes for u in units if u not in near):
+            units = [u for u in units if u not in near] + [merged]
+        elif _may_recompute(alone) and not any(alone.recompute & u.recompute for u in units):
+            units.append(alone)
+    order = g.order
+    units.sort(key=lambda u: min(order[n] for n in u.recompute))
+    recomputed, taken = set().union(*(u.recompute for u in units)) if units else set(), set()
+    for u in units:
+        dropped = u.consumers & (recomputed | taken)
+        u.consumers -= dropped  # and what reads a dropped one, so R + C stays convex
+        u.consumers -= {n for n in u.consumers if ancestors_within([n], u.consumers | dropped) & dropped}
+        taken |= u.consumers
+    return units
+
+
+def left_out(regions: list[Region], units: list[Unit]) -> list[Region]:
+    """Regions none of whose nodes any unit recomputes."""
+    inside = set().union(*(u.recompute for u in units)) if units else set()
+    return [r for r in regions if not r.nodes & inside]
+
+
+def _disjoint(regions: list[Region]) -> list[Region]:
+    """The regions without shared nodes: a node two regions claim (the shared expert's activation is in both
+    moe_act and shared_experts) stays in the larger; a region left empty is covered by the other whole."""
+    out: list[Region] = []
+    for r in sorted(regions, key=lambda r: -len(r.nodes)):
+        nodes = r.nodes - set().union(*(o.nodes for o in out)) if out else set(r.nodes)
+        if nodes:
+            out.append(Region(r.kind, r.name, nodes))
+    return out
+
+
+def _touch(a: set[fx.Node], b: set[fx.Node]) -> bool:
+    return any(u in b for n in a for u in n.users) or any(u in a for n in b for u in n.users)
 
 
 def _unit(g: _Graph, group: list[Region]) -> Unit:
@@ -180,7 +203,28 @@ def _unit(g: _Graph, group: list[Region]) -> Unit:
         costly = {n for n in extra if not _is_view_like(n)}
         c |= extra - costly
         c -= {n for n in c if ancestors_within([n], extra | c) & costly}
+    sized = {n for n in c if _makes_unbacked(n)}  # the outlined module could not return the size it makes up
+    c -= sized | {n for n in c if ancestors_within([n], c | sized) & sized}
     return Unit(group, r, c)
+
+
+def _may_recompute(u: Unit) -> bool:
+    """What it recomputes holds no collective, no write to a tensor from outside, and makes no shape only the
+    run knows (the rerun would make up another)."""
+    return _recomputable(Region("", "", u.recompute)) and not any(_makes_unbacked(n) for n in u.recompute)
+
+
+def _makes_unbacked(n: fx.Node) -> bool:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    def symbols(v: object) -> set:
+        try:
+            return set(free_unbacked_symbols(v))
+        except Exception:  # not a shape
+            return set()
+
+    made = symbols(n.meta.get("val"))
+    return bool(made and made - set().union(*(symbols(a.meta.get("val")) for a in n.all_input_nodes)))
 
 
 def _is_view_like(n: fx.Node) -> bool:
@@ -235,7 +279,7 @@ def choose(g: _Graph, candidates: list[Region], budget: int) -> tuple[list[Regio
             break
         chosen = [c for c in chosen if not c.nodes <= best.nodes] + [best]
         current = best_bytes
-    for r in sorted(chosen, key=lambda r: -recompute_flops(g, build_units(g, [r])[0])):  # undo what isn't needed
+    for r in sorted(chosen, key=lambda r: -sum(recompute_flops(g, u) for u in build_units(g, [r]))):  # undo what isn't needed
         rest = [c for c in chosen if c is not r]
         if predicted_bytes(g, build_units(g, rest)) <= budget:
             chosen = rest
@@ -298,6 +342,9 @@ def recompute(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for r in skipped:
         ctx.decide(f"{r.kind}:{r.name} not recomputed: it holds a collective or an in-place op")
     units = build_units(g, chosen)
+    for r in left_out(chosen, units):
+        ctx.decide(f"{r.kind}:{r.name} not recomputed: with the regions it touches it would span a collective or a "
+                   "size only the run knows, and alone it would share nodes with them")
     taken = set().union(*(u.nodes for u in units)) if units else set()
     offloads = []  # what a recompute unit already covers is not offloaded as well
     for u in build_units(g, [Region(r.kind, r.name, r.nodes - taken) for r in find_regions(gm, cfg.offload)

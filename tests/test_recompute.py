@@ -253,10 +253,12 @@ def test_an_in_place_write_to_a_tensor_from_outside_the_region_is_refused():
     assert not _recomputable(Region("attention", "a", region))
 
 
-@pytest.mark.parametrize("kinds", [["layernorm", "router"], list(REGION_KINDS)])
-def test_regions_meeting_through_a_view_become_one(model, batch, baseline, kinds):
+@pytest.mark.parametrize("kinds", [["layernorm", "router"], ["moe_act", "shared_experts"],
+                                   ["layernorm", "shared_experts", "router"], list(REGION_KINDS)])
+def test_regions_that_meet_recompute_with_identical_gradients(model, batch, baseline, kinds):
     """The post-attention norm's output reaches the router's GEMM through a reshape: that GEMM is the norm's
-    consumer and the router's own node, so the two regions must be one unit (once, a KeyError in outline)."""
+    consumer and the router's own node, so the two regions must be one unit (once, a KeyError in outline);
+    the shared expert's activation is in moe_act and shared_experts, and stays in one of them."""
     _, (logits0, grads0), _ = baseline
     result = _convert(model, batch, modules=kinds)
     if kinds == ["layernorm", "router"]:
@@ -264,3 +266,22 @@ def test_regions_meeting_through_a_view_become_one(model, batch, baseline, kinds
     logits, grads = _step(result, batch)
     assert torch.equal(logits, logits0)
     assert grads.keys() == grads0.keys() and all(torch.equal(grads[k], grads0[k]) for k in grads0)
+
+
+@pytest.mark.parametrize("kinds", [["moe_act", "shared_experts"], ["layernorm", "shared_experts", "router"]])
+def test_regions_that_would_span_the_exchange_stay_apart_at_ep2(kinds):
+    """At ep 2 the MoE block holds the dispatch all-to-all and rows of a run-time size. Merged, these regions
+    spanned one or the other (once a verifier error "recomputes collective", or a shape propagation failure):
+    now each asked kind is recomputed in a unit that may be, and no node is in two."""
+    from _dist import fake_rank
+
+    with fake_rank(0, 2, ep_step=True):
+        dense = tiny_hf("llama")
+        ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(3))
+        result = mc.convert(dense, {"experts": EXPERTS, "parallel": {"ep": 2}, "recompute": {"modules": kinds}}, (ids,))
+    regions = _regions(result)
+    assert {k for m in regions.values() for k in m.kinds} == set(kinds)
+    names = [n.name for m in regions.values() for g in (m.recompute, m.consumers) if g is not None
+             for n in g.graph.nodes if n.op == "call_function"]
+    assert len(names) == len(set(names))
+    assert not any("not recomputed" in d for d in result.record("recompute").decisions)
