@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx.passes.utils.fuser_utils import fuse_as_graphmodule
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 from moecompile import tensor_handles
@@ -167,16 +168,18 @@ class OffloadRegion(nn.Module):
         self.graph_module, self.min_bytes, self.kinds = graph_module, min_bytes, list(kinds)
 
     def forward(self, *args: Any) -> Any:
-        packed: dict[tuple, Any] = {}  # one host copy per saved view, however many ops save it
+        # one host copy per saved view, however many ops save it; a storage freed in the region may be
+        # allocated again at the same address, so a copy is reused only while its storage is alive
+        packed: dict[tuple, tuple[StorageWeakRef, Any]] = {}
 
         def pack(t: torch.Tensor) -> Any:
             held = tensor_handles.pack(t)
             if held is not t or t.numel() * t.element_size() < self.min_bytes or _is_parameter(t):
                 return held
             key = (_storage(t), t.storage_offset(), tuple(t.size()), tuple(t.stride()))
-            if key not in packed:
-                packed[key] = _to_host(t)
-            return packed[key]
+            if key not in packed or packed[key][0].expired():
+                packed[key] = (StorageWeakRef(t.untyped_storage()), _to_host(t))
+            return packed[key][1]
 
         with torch.autograd.graph.saved_tensors_hooks(pack, _from_host):
             return self.graph_module(*args)
