@@ -143,10 +143,11 @@ def _checkpointed(gm: fx.GraphModule, args: list[Any]) -> tuple:
     def run(*rest: Any) -> tuple:
         if first:
             return gm(*first.pop())
-        full = [tensor_handles.unpack(h).requires_grad_(g) if not isinstance(h, torch.Tensor) else h
-                for h, g in zip(held, grads)]  # recomputing must save what the forward saved
+        full = list(held)
         for i, t in zip(kept, rest):
             full[i] = t
+        for i in sorted(set(range(len(held))) - set(kept)):  # recomputing must save what the forward saved
+            full[i] = tensor_handles.unpack(held[i]).requires_grad_(grads[i])
         return gm(*full)
 
     return checkpoint(run, *[args[i] for i in kept], use_reentrant=False)

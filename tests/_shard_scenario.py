@@ -72,7 +72,7 @@ def make_step(world_size: int, ep: int, shard: bool, dtype: str | None = None, b
     dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=batch or GLOBAL_BATCH // world_size,
                                 seq_len=SEQ, dtype=dtype)
     recompute = parallel.pop("recompute", None)
-    plan = {"experts": EXPERTS, "parallel": {"ep": ep, "shard_optimizer": shard, **parallel}}
+    plan = {"experts": parallel.pop("experts", EXPERTS), "parallel": {"ep": ep, "shard_optimizer": shard, **parallel}}
     if recompute:
         plan["recompute"] = {"modules": recompute}
     result = mc.convert(dense, plan, (ids,))
@@ -92,7 +92,7 @@ def _compare(rank: int, world_size: int, ep: int, dtype: str | None, batch: int 
              extra: dict | None = None) -> dict:
     out: dict[str, Any] = {}
     for shard in (False, True):
-        both = {"recompute": extra["recompute"]} if extra and "recompute" in extra else {}
+        both = {k: v for k, v in (extra or {}).items() if k in ("recompute", "experts")}
         result, step = make_step(world_size, ep, shard, dtype, batch, **(dict(extra or {}) if shard else both))
         metrics = _train(step, rank, world_size, 0, STEPS)
         gathered, pool = step.buckets.param_shards, step.buckets.grad_shards
@@ -205,6 +205,9 @@ def rebuilt_worker(rank: int, world_size: int) -> dict[bool, list[float]]:
 # ZeRO-3 (parallel.shard_parameters): name -> (ep, dtype, sequences a forward, parallel fields of the sharded run)
 ZERO3_SETTINGS = {"dp2": (1, None, 2, ZERO3), "ep2_bf16": (2, "bfloat16", 2, ZERO3), "dp2_micro": (1, None, 1, ZERO3),
                   "dp2_recompute": (1, None, 2, {**ZERO3, "recompute": ["layernorm", "attention", "moe"]}),
+                  # a region whose inputs hold a size (an int) next to gathered parameters held as handles
+                  "dp2_recompute_shared": (1, None, 2, {**ZERO3, "recompute": ["shared_experts"],
+                                                        "experts": {**EXPERTS, "shared_experts": 1}}),
                   "nccl_forms": (1, None, 2, ZERO3)}
 
 

@@ -34,7 +34,8 @@ def test_one_process_keeps_its_parameters_whole():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("setting", ["dp2", "ep2_bf16", "dp2_micro", "dp2_recompute", "nccl_forms"])
+@pytest.mark.parametrize("setting", ["dp2", "ep2_bf16", "dp2_micro", "dp2_recompute", "dp2_recompute_shared",
+                                     "nccl_forms"])
 def test_two_ranks_train_the_same_keeping_a_range_of_the_parameters(setting):
     from _shard_scenario import zero3_two_ranks
 
