@@ -3,6 +3,7 @@
     python tests/_plan_fuzz.py train N SEED     # 4 gloo ranks, each plan against one process per rank
     python tests/_plan_fuzz.py inspect N SEED   # one process posing as rank 1 of 4: convert and inspect
     python tests/_plan_fuzz.py single N SEED    # one process, any zoo model: the dense model's oracles
+    python tests/_plan_fuzz.py resume N SEED    # 4 gloo ranks: a checkpoint of one layout resumed at another
 
 ``train``: losses, gradient norms and expert loads step for step equal to the same experts trained as plain
 data parallelism (ep 1, no overlap / recompute / ZeRO / offload). Expert parallelism sums an expert's
@@ -12,7 +13,9 @@ which AdamW and FP8 casts can grow over steps; a plan with FP8 or etp slices get
 must always be safe, and a static-dispatch step wholly), the memory estimate, the planner's profile and
 ``mc.visualize``. ``single``: any zoo model (MoEs adopted with their own experts) upcycled function-preserving
 must give the dense (or Hugging Face MoE) model's logits at init, and recompute / activation offload / overlap
-chunks must give the plain conversion's loss and gradients. A plan the rules refuse is a ``PlanError`` and is skipped. Each found bug became a test of
+chunks must give the plain conversion's loss and gradients. ``resume``: 2 steps at one random layout (ep x etp,
+dispatcher, ZeRO level, offload), ``step.save``, then the third step there and, loaded, at another layout: the
+same loss, gradient norm and loads. A plan the rules refuse is a ``PlanError`` and is skipped. Each found bug became a test of
 its own; this finds the next.
 """
 
@@ -217,6 +220,45 @@ def single(model: str, experts: dict, variant: dict) -> list[str]:
     return problems
 
 
+def random_layout(rng: random.Random) -> dict:
+    """A ``parallel`` section of 4 ranks."""
+    ep, etp = rng.choice([(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
+    out: dict[str, Any] = {"ep": ep, "etp": etp, "dispatcher": rng.choice(["alltoall", "allgather", "alltoall_dedup"])}
+    for level, field in enumerate(("shard_optimizer", "shard_gradients", "shard_parameters"), start=1):
+        if rng.choice([0, 1, 2, 3]) >= level:
+            out[field] = True
+            continue
+        break
+    if rng.random() < 0.3:
+        out["offload_optimizer"] = rng.choice([0.5, 1.0])
+    return out
+
+
+def resume_worker(rank: int, world: int, experts: dict, a: dict, b: dict, model: str, micro: int, path: str) -> dict:
+    import torch
+
+    import moecompile as mc
+    from moecompile.data import ByteBatches, stdlib_bytes
+
+    def make(parallel: dict) -> Any:
+        dense, (ids,) = _model(model, micro)
+        return mc.build_train_step(mc.convert(dense, {"experts": experts, "parallel": parallel}, (ids,)),
+                                   optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3), clip_grad_norm=1.0)
+
+    def metrics(m: Any) -> dict:
+        return {"loss": m.loss, "grad_norm": m.grad_norm, "load": m.expert_load}
+
+    stream = ByteBatches(stdlib_bytes(300_000), GLOBAL_BATCH, SEQ, seed=0)
+    step = make(a)
+    for i in range(2):
+        step(stream.shard(i, rank, world))
+    step.save(path)
+    want = metrics(step(stream.shard(2, rank, world)))
+    resumed = make(b)
+    resumed.load(path)
+    return {"got": [metrics(resumed(stream.shard(2, rank, world)))], "want": [want]}
+
+
 def draw(rng: random.Random) -> tuple[dict, str, int] | None:
     """A plan the rules accept, or None."""
     plan, model, micro = random_plan(rng)
@@ -247,6 +289,11 @@ def run(kind: str, n: int, seed: int) -> list[str]:
                 plan, micro = {"experts": experts, **variant}, 2
                 if _refused(plan):
                     continue
+            elif kind == "resume":
+                experts = {"num_experts": rng.choice([4, 8]), "top_k": 2, "shared_experts": rng.choice([0, 1]),
+                           "aux_loss": rng.choice(["aux", "global_aux"]), "expert_bias": rng.random() < 0.3}
+                layouts = (random_layout(rng), random_layout(rng))
+                plan, model, micro = {"experts": experts, "parallel": layouts}, rng.choice(["tiny-llama", "tiny-gpt2"]), 2
             else:
                 drawn = draw(rng)
                 if drawn is None:
@@ -255,6 +302,10 @@ def run(kind: str, n: int, seed: int) -> list[str]:
             try:
                 if kind == "single":
                     bad = single(model, experts, variant)
+                elif kind == "resume":
+                    with tempfile.TemporaryDirectory() as d:
+                        ranks = spawn(resume_worker, 4, (experts, *layouts, model, micro, d + "/ckpt"), timeout=300)
+                    bad = [b for r in ranks for b in mismatches(r["got"], r["want"], 1e-4)]
                 elif kind == "train":
                     ranks = spawn(train_worker, 4, (plan, model, micro), timeout=300)
                     bad = [b for r in ranks for b in mismatches(r["got"], r["want"], tolerance(plan))]

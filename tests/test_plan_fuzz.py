@@ -21,3 +21,9 @@ def test_random_upcycled_zoo_models_keep_their_oracles_under_memory_and_schedule
 @pytest.mark.distributed
 def test_random_plans_train_like_one_process_per_rank():
     assert run("train", 8, seed=191) == []
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_random_checkpoints_resume_at_random_layouts():
+    assert run("resume", 4, seed=1) == []
