@@ -279,7 +279,10 @@ def choose(g: _Graph, candidates: list[Region], budget: int) -> tuple[list[Regio
             break
         chosen = [c for c in chosen if not c.nodes <= best.nodes] + [best]
         current = best_bytes
-    for r in sorted(chosen, key=lambda r: -sum(recompute_flops(g, u) for u in build_units(g, [r]))):  # undo what isn't needed
+    def cost(r: Region) -> int:
+        return sum(recompute_flops(g, u) for u in build_units(g, [r]))
+
+    for r in sorted(chosen, key=cost, reverse=True):  # undo what isn't needed
         rest = [c for c in chosen if c is not r]
         if predicted_bytes(g, build_units(g, rest)) <= budget:
             chosen = rest
@@ -343,8 +346,8 @@ def recompute(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         ctx.decide(f"{r.kind}:{r.name} not recomputed: it holds a collective or an in-place op")
     units = build_units(g, chosen)
     for r in left_out(chosen, units):
-        ctx.decide(f"{r.kind}:{r.name} not recomputed: with the regions it touches it would span a collective or a "
-                   "size only the run knows, and alone it would share nodes with them")
+        ctx.decide(f"{r.kind}:{r.name} not recomputed: joined to the regions it touches it would span a collective "
+                   "or make a size only the run knows, and it cannot stand alone beside them")
     taken = set().union(*(u.nodes for u in units)) if units else set()
     offloads = []  # what a recompute unit already covers is not offloaded as well
     for u in build_units(g, [Region(r.kind, r.name, r.nodes - taken) for r in find_regions(gm, cfg.offload)

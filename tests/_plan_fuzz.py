@@ -15,8 +15,8 @@ must always be safe, and a static-dispatch step wholly), the memory estimate, th
 must give the dense (or Hugging Face MoE) model's logits at init, and recompute / activation offload / overlap
 chunks must give the plain conversion's loss and gradients. ``resume``: 2 steps at one random layout (ep x etp,
 dispatcher, ZeRO level, offload), ``step.save``, then the third step there and, loaded, at another layout: the
-same loss, gradient norm and loads. A plan the rules refuse is a ``PlanError`` and is skipped. Each found bug became a test of
-its own; this finds the next.
+same loss, gradient norm and loads. A plan the rules refuse is a ``PlanError`` and is skipped. Each found bug
+became a test of its own; this finds the next.
 """
 
 from __future__ import annotations
@@ -53,10 +53,7 @@ def random_plan(rng: random.Random) -> tuple[dict, str, int]:
     parallel: dict[str, Any] = {"ep": ep, "etp": etp, "dispatcher": dispatcher, "dispatch_mode": mode}
     if dispatcher == "alltoall_dedup" and ep * etp == 4 and rng.random() < 0.5:
         parallel["node_ranks"] = 2
-    zero = rng.choice([0, 0, 1, 2, 3])
-    for level, field in enumerate(("shard_optimizer", "shard_gradients", "shard_parameters"), start=1):
-        if zero >= level:
-            parallel[field] = True
+    zero = _zero(rng.choice([0, 0, 1, 2, 3]), parallel)
     if 1 <= zero <= 2 and rng.random() < 0.5:
         parallel["overlap_param_gather"] = True
     if rng.random() < 0.25:
@@ -73,6 +70,14 @@ def random_plan(rng: random.Random) -> tuple[dict, str, int]:
         plan["fp8"] = {"recipe": "blockwise", "block_size": 16}
     micro = rng.choice([1, 2])  # a rank's 2 sequences as 1 or 2 micro-batches
     return plan, rng.choice(["tiny-llama", "tiny-llama", "tiny-qwen3", "tiny-gpt2"]), micro
+
+
+def _zero(level: int, parallel: dict) -> int:
+    """ZeRO ``level`` (0-3) as ``parallel`` fields; the level."""
+    for at, field in enumerate(("shard_optimizer", "shard_gradients", "shard_parameters"), start=1):
+        if level >= at:
+            parallel[field] = True
+    return level
 
 
 def reference(plan: dict) -> dict:
@@ -224,11 +229,7 @@ def random_layout(rng: random.Random) -> dict:
     """A ``parallel`` section of 4 ranks."""
     ep, etp = rng.choice([(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
     out: dict[str, Any] = {"ep": ep, "etp": etp, "dispatcher": rng.choice(["alltoall", "allgather", "alltoall_dedup"])}
-    for level, field in enumerate(("shard_optimizer", "shard_gradients", "shard_parameters"), start=1):
-        if rng.choice([0, 1, 2, 3]) >= level:
-            out[field] = True
-            continue
-        break
+    _zero(rng.choice([0, 1, 2, 3]), out)
     if rng.random() < 0.3:
         out["offload_optimizer"] = rng.choice([0.5, 1.0])
     return out
@@ -293,7 +294,8 @@ def run(kind: str, n: int, seed: int) -> list[str]:
                 experts = {"num_experts": rng.choice([4, 8]), "top_k": 2, "shared_experts": rng.choice([0, 1]),
                            "aux_loss": rng.choice(["aux", "global_aux"]), "expert_bias": rng.random() < 0.3}
                 layouts = (random_layout(rng), random_layout(rng))
-                plan, model, micro = {"experts": experts, "parallel": layouts}, rng.choice(["tiny-llama", "tiny-gpt2"]), 2
+                plan, micro = {"experts": experts, "parallel": layouts}, 2
+                model = rng.choice(["tiny-llama", "tiny-gpt2"])
             else:
                 drawn = draw(rng)
                 if drawn is None:
@@ -313,7 +315,8 @@ def run(kind: str, n: int, seed: int) -> list[str]:
                     bad = inspect(plan, model, micro)
             except Exception:
                 bad = [traceback.format_exc()[-1500:]]
-            line = f"[{c}] {'ok' if not bad else 'FAILED ' + '; '.join(bad[:3])}\n    {json.dumps([model, micro, plan])}"
+            verdict = "ok" if not bad else "FAILED " + "; ".join(bad[:3])
+            line = f"[{c}] {verdict}\n    {json.dumps([model, micro, plan])}"
             print(line, flush=True)
             if bad:
                 failed.append(line)
