@@ -147,7 +147,7 @@ def init(
         )
     if plan is None:
         return build_world(1, timeout_s)
-    return build_world(plan.parallel.ep, timeout_s, etp=plan.parallel.etp, node_ranks=plan.parallel.node_ranks)
+    return build_world(plan.parallel.ep, timeout_s, etp=plan.parallel.etp, node_ranks=plan.parallel.node_level_ranks)
 
 
 def shutdown() -> None:
@@ -167,7 +167,7 @@ def shutdown() -> None:
 def world_from_plan(plan: Any) -> World:
     """The world for ``plan.parallel`` on the already-initialised ``torch.distributed``."""
     return build_world(plan.parallel.ep, plan.parallel.timeout_s, etp=plan.parallel.etp,
-                       node_ranks=plan.parallel.node_ranks)
+                       node_ranks=plan.parallel.node_level_ranks)
 
 
 def check_ep(ep: int, world_size: int, etp: int = 1) -> None:
@@ -262,8 +262,7 @@ def resolve_world(plan: Any, world: World | None) -> World | None:
     if (world.ep, world.etp) != (ep * etp, etp):
         raise PlanError("parallel.ep", ep, f"the world passed to convert was built for ep={world.ep // world.etp}, "
                         f"etp={world.etp}; build it from this plan")
-    nodes = plan.parallel.node_ranks if 1 < plan.parallel.node_ranks < ep * etp else 1
-    if world.node_ranks != nodes:
+    if world.node_ranks != plan.parallel.node_level_ranks:
         raise PlanError("parallel.node_ranks", plan.parallel.node_ranks, f"the world passed to convert was built "
                         f"with {world.node_ranks} ranks per node; build it from this plan")
     return world

@@ -296,6 +296,8 @@ def run(kind: str, n: int, seed: int) -> list[str]:
                 layouts = (random_layout(rng), random_layout(rng))
                 plan, micro = {"experts": experts, "parallel": layouts}, 2
                 model = rng.choice(["tiny-llama", "tiny-gpt2"])
+                if any(_refused({"experts": experts, "parallel": layout}) for layout in layouts):
+                    continue
             else:
                 drawn = draw(rng)
                 if drawn is None:

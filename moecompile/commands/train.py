@@ -269,7 +269,7 @@ def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any
         layout = f"ep={par.ep}" + (f" x etp={par.etp}" if par.etp > 1 else "")
         print(f"moecompile train: {source} {how}{e.num_experts} experts top-{e.top_k}{groups}"
               f"{'' if adopted else f' (G={e.granularity})'}, {layout} over {world_size} rank(s) "
-              f"({par.dispatcher}{f' per node of {par.node_ranks}' if 1 < par.node_ranks < par.expert_ranks else ''}, "
+              f"({par.dispatcher}{f' per node of {par.node_ranks}' if par.node_level_ranks > 1 else ''}, "
               f"{par.dispatch_mode}) on {s.step.device.type}; "
               f"{n_params:,} parameters on this rank; "
               f"batch {args.batch} x {args.seq} bytes of {len(text):,} bytes of text"

@@ -137,6 +137,12 @@ class ParallelConfig(Section):
         """Ranks one layer's experts (their slices, under etp) are spread over: the ep group's size."""
         return self.ep * self.etp
 
+    @property
+    def node_level_ranks(self) -> int:
+        """``node_ranks`` where it cuts the ep group into nodes; 1 (rank level) where it is 1 or the whole group
+        sits in one node. What the world builds, the pass emits and the planner prices."""
+        return self.node_ranks if 1 < self.node_ranks < self.expert_ranks else 1
+
     def validate(self) -> None:
         if self.ep < 1:
             self.fail("ep", "must be >= 1")

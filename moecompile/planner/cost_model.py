@@ -128,10 +128,8 @@ class Candidate:
 
     @property
     def node_ranks(self) -> int:
-        """``parallel.node_ranks`` where it splits the ep group (alltoall_dedup's ranks per node); 1: rank level,
-        also where the whole ep group sits in one node, as the runtime builds it."""
-        G = getattr(self.plan.parallel, "node_ranks", 1)
-        return G if 1 < G < self.expert_ranks else 1
+        """alltoall_dedup's ranks per node where they cut the ep group (``parallel.node_level_ranks``); 1: rank level."""
+        return getattr(self.plan.parallel, "node_level_ranks", 1)
 
     @property
     def distributed_optimizer(self) -> bool:
