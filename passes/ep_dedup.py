@@ -107,7 +107,9 @@ class Hop:
         """The arrived rows' partial sums returned to their sources and added per source row."""
         what = self.what.replace("dispatch", "combine").replace(" to ", " from ")
         back_NH = em.collective(ALL_TO_ALL, partial_MH, self.send, self.recv, what=what, group=self.group)
-        return em(CC, aten.index_add.default, em(CC, aten.zeros_like.default, like), 0, self.tok_N, back_NH)
+        # in the partials' dtype (bf16 under autocast), as unpermute's output is: ``like`` stays fp32
+        rows = [em(CC, aten.sym_size.int, like, 0), em(CC, aten.sym_size.int, back_NH, 1)]
+        return em(CC, aten.index_add.default, em(CC, aten.new_zeros.default, back_NH, rows), 0, self.tok_N, back_NH)
 
 
 def _hop(em: Emit, x: fx.Node, idx: fx.Node, w: fx.Node, dest: fx.Node, P: int, group: str,

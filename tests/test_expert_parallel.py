@@ -289,11 +289,15 @@ def scenario_two_ranks(rank: int, world_size: int) -> dict:
     report["fp8/blockwise/zero_tokens"] = {k: errs[k] for k in ("out", "loss", "grad")}
     # bf16 autocast: the tokens are cast before the permute, so the packed exchange carries bf16 rows with fp32
     # routing weights (widened, never rounded). Rows move unchanged, so outputs match ep = 1 to fp32 round-off;
-    # the bf16 weight gradients sum rows in another order, so they match to bf16's
-    errs = ep_errors(rank, model, plan(2), xs, targets, autocast=True)
-    packs = [n for n in errs["result"].module.graph.nodes if n.target is torch.ops.moecompile.pack_row_weights.default]
-    assert packs and errs["out"] <= TOL and errs["loss"] <= TOL and errs["grad"] <= 2**-7, errs
-    report["autocast"] = {k: errs[k] for k in ("out", "loss", "grad")}
+    # the bf16 weight gradients sum rows in another order, so they match to bf16's. Every dispatcher: dedup's
+    # combine once added bf16 partial sums into an fp32 buffer (a crash on every bf16 step, the GPU default)
+    for dispatcher in ("alltoall", "allgather", "alltoall_dedup"):
+        errs = ep_errors(rank, model, plan(2, dispatcher), xs, targets, autocast=True)
+        packs = [n for n in errs["result"].module.graph.nodes
+                 if n.target is torch.ops.moecompile.pack_row_weights.default]
+        assert bool(packs) == (dispatcher == "alltoall"), packs
+        assert errs["out"] <= TOL and errs["loss"] <= TOL and errs["grad"] <= 2**-7, (dispatcher, errs)
+        report[f"autocast/{dispatcher}"] = {k: errs[k] for k in ("out", "loss", "grad")}
 
     # torch.compile over the dropless graph: it breaks at each host read of the splits and runs the MoE ops
     # between breaks eagerly (their kernels are dynamo-disabled, as custom_op's are); static: no break at all
