@@ -22,6 +22,7 @@ which also writes its functionalization.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -44,7 +45,7 @@ class Op:
         namespace, self.name = qualname.split("::")
         self._lib = _library(namespace)
         self._lib.define(self.name + torch.library.infer_schema(fn, mutates_args=()))
-        self._lib.impl(self.name, _eager_only(fn), "CompositeExplicitAutograd")
+        self._lib.impl(self.name, _eager_only(_without_autocast(fn)), "CompositeExplicitAutograd")
         self.default: torch._ops.OpOverload = getattr(getattr(torch.ops, namespace), self.name).default
         # The dispatcher hands a Python kernel its trailing arguments only where they differ from
         # the schema's defaults; the autograd wrapper restores them so setup_context sees all inputs.
@@ -94,6 +95,21 @@ def _eager_only(kernel: Callable) -> Callable:
     ``torch.compile`` that includes the code between graph breaks (a dropless dispatch's splits),
     where dynamo would otherwise trace into the body and fail on what only its fake impl describes."""
     return torch._disable_dynamo(kernel)
+
+
+def _without_autocast(kernel: Callable) -> Callable:
+    """The kernel with autocast off inside it: an op's body sets its own precision (an FP8 GEMM accumulates in
+    float32), and autocast already cast the op's inputs at its boundary where the op is registered for it
+    (``register_autocast``). Left on, the body's aten ops were cast again: on CPU ``_scaled_mm`` is a bf16 ``mm``
+    under autocast, so FP8 GEMMs came out rounded to bf16; and a TorchDispatchMode (a CUDA-graph capture's
+    checks, ``make_fx``) runs the body without it, so the same step gave other numbers under a mode. A Triton
+    kernel ignores autocast too: the reference bodies now compute what the GPU kernels do."""
+
+    def kernel_without_autocast(*args: Any) -> Any:
+        with torch._C._DisableAutocast():  # every device's autocast key excluded: ~0.4 us, torch.autocast's ~7
+            return kernel(*args)
+
+    return functools.wraps(kernel)(kernel_without_autocast)
 
 
 def _any_requires_grad(args: tuple) -> bool:

@@ -34,6 +34,22 @@ def naive_amax(x, recipe, block):
     return out
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_gemms_accumulate_in_float32_under_bf16_autocast(recipe):
+    """On CPU ``_scaled_mm`` is a bf16 ``mm`` under autocast: the bf16 training step's FP8 GEMMs came out rounded
+    to bf16 (and, under a CUDA-graph capture's dispatch mode, did not), until op bodies ran with autocast off."""
+    import moecompile.kernels.fp8_linear  # noqa: F401  (defines the fp8 linear ops)
+
+    x, w = torch.randn(32, 64), torch.randn(48, 64)
+    want = ops.fp8_linear(x, w, None, None, recipe, "hybrid", 16)[0]
+    sizes = torch.tensor([20, 12])
+    want_grouped = ops.fp8_grouped_linear(x, w.view(2, 24, 64), sizes, None, None, recipe, "hybrid", 16)[0]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ops.fp8_linear(x, w, None, None, recipe, "hybrid", 16)[0]
+        grouped = ops.fp8_grouped_linear(x, w.view(2, 24, 64), sizes, None, None, recipe, "hybrid", 16)[0]
+    assert torch.equal(got, want) and torch.equal(grouped, want_grouped)
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "tile", "block"])
 @pytest.mark.parametrize("R,C", [(5, 40), (33, 16), (1, 7)])

@@ -59,6 +59,36 @@ def test_opcheck_and_traces_as_one_node():
     assert targets.count(torch.ops.moecompile_test.scale_top.default) == 1
 
 
+@library.op("moecompile_test::matmul_fp32")
+def matmul_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b in float32, whatever autocast says outside: an op's body sets its own precision."""
+    return a @ b
+
+
+@matmul_fp32.register_fake
+def _matmul_fp32_fake(a, b):
+    return a.new_empty((a.shape[0], b.shape[1]))
+
+
+def test_the_body_runs_without_autocast_as_under_a_dispatch_mode_or_on_a_triton_kernel():
+    """Autocast casts an op's inputs at its boundary (where registered); inside, the body's aten ops were cast
+    again (an FP8 GEMM's float32 accumulation came out in bf16), and not under a TorchDispatchMode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    a, b = torch.randn(8, 64), torch.randn(64, 8)
+    want = a @ b
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = matmul_fp32(a, b)
+        with Passthrough():
+            moded = matmul_fp32(a, b)
+        assert (a @ b).dtype == torch.bfloat16  # autocast is on, outside the op
+    assert got.dtype == torch.float32 and torch.equal(got, want) and torch.equal(moded, want)
+
+
 def test_compile_caches_are_keyed_on_the_kernels_source():
     """torch.compile's on-disk caches do not hash the ops' autograd formulas; the package's tag does."""
     import hashlib
