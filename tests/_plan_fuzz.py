@@ -4,9 +4,11 @@
     python tests/_plan_fuzz.py inspect N SEED   # one process posing as rank 1 of 4: convert and inspect
     python tests/_plan_fuzz.py single N SEED    # one process, any zoo model: the dense model's oracles
     python tests/_plan_fuzz.py resume N SEED    # 4 gloo ranks: a checkpoint of one layout resumed at another
+    python tests/_plan_fuzz.py graphs N SEED    # 4 gloo ranks: a captured step (emulated CUDA graphs) vs eager
+    python tests/_plan_fuzz.py compile N SEED   # 4 gloo ranks: compile=True vs the eager step
 
 ``train``: losses, gradient norms and expert loads step for step equal to the same experts trained as plain
-data parallelism (ep 1, no overlap / recompute / ZeRO / offload). Expert parallelism sums an expert's
+data parallelism (ep 1, no overlap / recompute / ZeRO / offload), in fp32 or bf16. Expert parallelism sums an expert's
 gradient over other rows in another order than the data-parallel all-reduce, so equality is to round-off,
 which AdamW and FP8 casts can grow over steps; a plan with FP8 or etp slices gets a looser bound.
 ``inspect``: the conversion, ``report()``, the capture-safety scans (``cuda_graph: partial``'s static region
@@ -15,7 +17,10 @@ must always be safe, and a static-dispatch step wholly), the memory estimate, th
 must give the dense (or Hugging Face MoE) model's logits at init, and recompute / activation offload / overlap
 chunks must give the plain conversion's loss and gradients. ``resume``: 2 steps at one random layout (ep x etp,
 dispatcher, ZeRO level, offload), ``step.save``, then the third step there and, loaded, at another layout: the
-same loss, gradient norm and loads. A plan the rules refuse is a ``PlanError`` and is skipped. Each found bug
+same loss, gradient norm and loads. ``graphs``: the plan's ``cuda_graph`` runner (``full`` for a static dispatch,
+else ``partial``) on emulated CUDA graphs (tests/_graph_emulator.py), fp32 or bf16, must replay the eager step
+bitwise. ``compile``: ``compile=True`` (mostly AOTAutograd without Inductor's code generation, which is slow on
+CPU and tested on its own) must track the eager step to round-off. A plan the rules refuse is a ``PlanError`` and is skipped. Each found bug
 became a test of its own; this finds the next.
 """
 
@@ -85,9 +90,11 @@ def reference(plan: dict) -> dict:
     return {"experts": plan["experts"], **({"fp8": plan["fp8"]} if "fp8" in plan else {})}
 
 
-def tolerance(plan: dict) -> float:
+def tolerance(plan: dict, precision: str = "fp32") -> float:
     """Relative bound on the losses and gradient norms: round-off, grown by FP8 casts or by expert slices
-    whose partial outputs add up in another order."""
+    whose partial outputs add up in another order, or bf16's (a sum in another order rounds to another bf16)."""
+    if precision == "bf16":
+        return 1e-2
     return 2e-3 if "fp8" in plan or plan["parallel"].get("etp", 1) > 1 else 1e-4
 
 
@@ -97,15 +104,21 @@ def _model(model: str, micro: int) -> tuple[Any, Any]:
     return build_model(model, vocab_size=256, batch_size=micro, seq_len=SEQ)
 
 
-def train(plan: dict, rank: int, world: int, model: str, micro: int) -> list[dict]:
+def train(plan: dict, rank: int, world: int, model: str, micro: int, runner: str | None = None,
+          **options: Any) -> list[dict]:
+    """STEPS steps of ``plan``; ``runner`` forces a CUDA-graph runner (on emulated graphs), ``options`` go to the step."""
     import torch
 
     import moecompile as mc
+    import moecompile.cuda_graphs as cg
     from moecompile.data import ByteBatches, stdlib_bytes
 
     dense, (ids,) = _model(model, micro)
+    capturable = "cuda_graph" in plan  # eager and captured alike, so both step the same AdamW
     step = mc.build_train_step(mc.convert(dense, plan, (ids,)), clip_grad_norm=1.0,
-                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3))
+                               optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3, capturable=capturable), **options)
+    if runner is not None:
+        step.runner = {"full": cg.FullGraphRunner, "partial": cg.PartialGraphRunner}[runner](step)
     stream = ByteBatches(stdlib_bytes(300_000), GLOBAL_BATCH, SEQ, seed=0)
     out = []
     for i in range(STEPS):
@@ -114,8 +127,32 @@ def train(plan: dict, rank: int, world: int, model: str, micro: int) -> list[dic
     return out
 
 
-def train_worker(rank: int, world: int, plan: dict, model: str, micro: int) -> dict:
-    return {"got": train(plan, rank, world, model, micro), "want": train(reference(plan), rank, world, model, micro)}
+def train_worker(rank: int, world: int, plan: dict, model: str, micro: int, precision: str = "fp32") -> dict:
+    return {"got": train(plan, rank, world, model, micro, precision=precision),
+            "want": train(reference(plan), rank, world, model, micro, precision=precision)}
+
+
+def graphs_worker(rank: int, world: int, plan: dict, model: str, micro: int, precision: str) -> dict:
+    """The plan eager and through its CUDA-graph runner, both on emulated graphs."""
+    from _graph_emulator import emulated_cuda_graphs
+
+    with emulated_cuda_graphs() as graphs:
+        want = train(plan, rank, world, model, micro, precision=precision)
+        got = train(plan, rank, world, model, micro, runner=plan["cuda_graph"]["mode"], precision=precision)
+    return {"got": got, "want": want, "replays": [g.replays for g in graphs]}
+
+
+def compile_worker(rank: int, world: int, plan: dict, model: str, micro: int, options: dict) -> dict:
+    return {"got": train(plan, rank, world, model, micro, compile=options), "want": train(plan, rank, world, model, micro)}
+
+
+def with_cuda_graph(plan: dict, rng: random.Random) -> dict:
+    """The plan captured: whole when the dispatch is static (mostly), else its static regions."""
+    static = plan["parallel"]["dispatch_mode"] == "static"
+    # what the capture rules refuse (parameters gathered from Python hooks) is left out rather than drawn again
+    parallel = {k: v for k, v in plan["parallel"].items() if k not in ("shard_parameters", "overlap_param_gather")}
+    return {**plan, "parallel": parallel,
+            "cuda_graph": {"mode": "full" if static and rng.random() < 0.7 else "partial", "warmup_steps": 1}}
 
 
 def mismatches(got: list[dict], want: list[dict], rel: float) -> list[str]:
@@ -285,6 +322,7 @@ def run(kind: str, n: int, seed: int) -> list[str]:
     rng, failed = random.Random(seed), []
     with fake_rank(1, 4, ep_step=True) if kind == "inspect" else contextlib.nullcontext():
         for c in range(n):
+            extra: dict = {}
             if kind == "single":
                 model, experts, variant = random_single(rng)
                 plan, micro = {"experts": experts, **variant}, 2
@@ -303,6 +341,16 @@ def run(kind: str, n: int, seed: int) -> list[str]:
                 if drawn is None:
                     continue
                 plan, model, micro = drawn
+                if kind == "graphs":
+                    plan, precision = with_cuda_graph(plan, rng), rng.choice(["fp32", "bf16"])
+                    extra = {"precision": precision}
+                    if _refused(plan):
+                        continue
+                elif kind == "train":
+                    extra = {"precision": rng.choice(["fp32", "fp32", "bf16"])}
+                elif kind == "compile":  # Inductor's C++ code generation takes minutes a draw here
+                    options = {} if rng.random() < 0.15 else {"backend": "aot_eager"}
+                    extra = {"compile": options}
             try:
                 if kind == "single":
                     bad = single(model, experts, variant)
@@ -310,15 +358,24 @@ def run(kind: str, n: int, seed: int) -> list[str]:
                     with tempfile.TemporaryDirectory() as d:
                         ranks = spawn(resume_worker, 4, (experts, *layouts, model, micro, d + "/ckpt"), timeout=300)
                     bad = [b for r in ranks for b in mismatches(r["got"], r["want"], 1e-4)]
-                elif kind == "train":
-                    ranks = spawn(train_worker, 4, (plan, model, micro), timeout=300)
+                elif kind == "graphs":
+                    ranks = spawn(graphs_worker, 4, (plan, model, micro, precision), timeout=600)
+                    bad = [b for r in ranks for b in mismatches(r["got"], r["want"], 0.0)]
+                    bad += [f"rank {i} replayed no graph: {r['replays']}" for i, r in enumerate(ranks)
+                            if not r["replays"] or min(r["replays"]) < STEPS - 1]  # 1 warm-up step
+                elif kind == "compile":
+                    ranks = spawn(compile_worker, 4, (plan, model, micro, options), timeout=900)
                     bad = [b for r in ranks for b in mismatches(r["got"], r["want"], tolerance(plan))]
+                elif kind == "train":
+                    ranks = spawn(train_worker, 4, (plan, model, micro, extra["precision"]), timeout=300)
+                    rel = tolerance(plan, extra["precision"])
+                    bad = [b for r in ranks for b in mismatches(r["got"], r["want"], rel)]
                 else:
                     bad = inspect(plan, model, micro)
             except Exception:
                 bad = [traceback.format_exc()[-1500:]]
             verdict = "ok" if not bad else "FAILED " + "; ".join(bad[:3])
-            line = f"[{c}] {verdict}\n    {json.dumps([model, micro, plan])}"
+            line = f"[{c}] {verdict}\n    {json.dumps([model, micro, plan, extra])}"
             print(line, flush=True)
             if bad:
                 failed.append(line)
