@@ -73,7 +73,19 @@ def _handle(t: torch.Tensor) -> _Saved | None:
     return _Saved(owner.key, k, t.storage_offset(), tuple(t.size()), tuple(t.stride()))
 
 
-tensor_handles.register_packer(_handle)
+_ALIVE = 0  # ParameterShards in this process; a plain int, so compiled code guards on it, not on _LIVE's keys
+
+
+def _any_alive() -> bool:
+    return _ALIVE > 0
+
+
+def _one_fewer() -> None:
+    global _ALIVE
+    _ALIVE -= 1
+
+
+tensor_handles.register_packer(_handle, active=_any_alive)
 
 
 def _owner(key: int) -> "ParameterShards":
@@ -136,8 +148,11 @@ class ParameterShards:
     """The sharded buckets' parameters: this rank's range kept, the whole gathered while in use."""
 
     def __init__(self, owner: Any):
+        global _ALIVE
         self.key = next(_KEYS)
         _OWNERS[self.key] = self
+        _ALIVE += 1
+        weakref.finalize(self, _one_fewer)
         self.buckets = [b for b in owner.buckets if b.shards > 1]
         self.whole: dict[int, torch.Tensor] = {}
         self.pending: dict[int, tuple[torch.Tensor, list]] = {}

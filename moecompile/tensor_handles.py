@@ -24,23 +24,35 @@ class Handle(abc.ABC):
 
 
 Packer = Callable[[torch.Tensor], "Handle | None"]
-_PACKERS: list[Packer] = []
+_PACKERS: list[tuple[Packer, Callable[[], bool]]] = []
 
 
-def register_packer(packer: Packer) -> None:
-    """Let ``packer`` claim tensors: it returns a Handle for one whose memory its runtime may free, else None."""
-    if packer not in _PACKERS:
-        _PACKERS.append(packer)
+def register_packer(packer: Packer, active: Callable[[], bool]) -> None:
+    """Let ``packer`` claim tensors while ``active()``: it returns a Handle for one whose memory its runtime may
+    free, else None. ``active`` is cheap and traceable (a module-level container's truth)."""
+    if all(p is not packer for p, _ in _PACKERS):
+        _PACKERS.append((packer, active))
 
 
+@torch._disable_dynamo
 def pack(t: Any) -> Any:
-    """A Handle for a tensor some runtime may free before it is read again; anything else as it is."""
+    """A Handle for a tensor some runtime may free before it is read again; anything else as it is.
+
+    Eager only (dynamo-disabled): a packer reads storage pointers, and as a saved-tensor hook called inside a
+    compiled forward, dynamo compiled it as a frame of its own once per tensor rank, up to its recompile limit."""
     if isinstance(t, torch.Tensor):
-        for packer in _PACKERS:
-            handle = packer(t)
+        for packer, active in _PACKERS:
+            handle = packer(t) if active() else None
             if handle is not None:
                 return handle
     return t
+
+
+def pack_all(values: Any) -> list:
+    """``pack`` over ``values``; traceable when no runtime holds handles (then no graph break under compile)."""
+    if not any(active() for _, active in _PACKERS):
+        return list(values)
+    return [pack(v) for v in values]
 
 
 def unpack(x: Any) -> Any:

@@ -51,17 +51,23 @@ def _seeded(gm: fx.GraphModule) -> bool:
 
 
 class _Boundary:
-    """Saved-tensor hooks that keep a handle instead of R's outputs, and recompute R to unpack one."""
+    """Saved-tensor hooks that keep a handle instead of R's outputs, and recompute R to unpack one.
+
+    Every saved-tensor hook here runs eagerly (dynamo-disabled): autograd calls it from C++ inside a compiled
+    forward's eager parts, where dynamo compiled it as a frame of its own once per tensor rank, up to its
+    recompile limit, for hooks that read storage pointers anyway."""
 
     def __init__(self, fn: Callable, args: list[Any], rng: Any, outs: tuple):
-        self.fn, self.args, self.rng = fn, [tensor_handles.pack(a) for a in args], rng
+        self.fn, self.args, self.rng = fn, tensor_handles.pack_all(args), rng
         self.keys = {_storage(o): i for i, o in enumerate(outs) if isinstance(o, torch.Tensor)}
         self.values: tuple | None = None
 
+    @torch._disable_dynamo
     def pack(self, t: torch.Tensor) -> Any:
         i = self.keys.get(_storage(t))
         return tensor_handles.pack(t) if i is None else (i, tuple(t.size()), tuple(t.stride()), t.storage_offset())
 
+    @torch._disable_dynamo
     def unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, tuple):
             return tensor_handles.unpack(packed)
@@ -133,7 +139,7 @@ class RecomputeRegion(nn.Module):
 def _checkpointed(gm: fx.GraphModule, args: list[Any]) -> tuple:
     """``checkpoint(gm, *args)``, holding tensors a runtime frees (ZeRO-3's gathered parameters) as handles until
     the recompute."""
-    held = [tensor_handles.pack(a) for a in args]
+    held = tensor_handles.pack_all(args)
     kept = [i for i, (h, a) in enumerate(zip(held, args)) if h is a]
     if len(kept) == len(args):
         return checkpoint(gm, *args, use_reentrant=False)
@@ -173,6 +179,7 @@ class OffloadRegion(nn.Module):
         # allocated again at the same address, so a copy is reused only while its storage is alive
         packed: dict[tuple, tuple[StorageWeakRef, Any]] = {}
 
+        @torch._disable_dynamo  # a saved-tensor hook: eager (see _Boundary)
         def pack(t: torch.Tensor) -> Any:
             held = tensor_handles.pack(t)
             if held is not t or t.numel() * t.element_size() < self.min_bytes or _is_parameter(t):
@@ -207,6 +214,7 @@ def _to_host(t: torch.Tensor) -> Any:
     return ("host", t.device, host, done)
 
 
+@torch._disable_dynamo
 def _from_host(packed: Any) -> torch.Tensor:
     if not isinstance(packed, tuple):
         return tensor_handles.unpack(packed)

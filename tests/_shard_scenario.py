@@ -65,7 +65,7 @@ def grouped_adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def make_step(world_size: int, ep: int, shard: bool, dtype: str | None = None, batch: int | None = None,
-              **parallel: Any) -> tuple[Any, Any]:
+              compile: Any = False, **parallel: Any) -> tuple[Any, Any]:
     import moecompile as mc
     from moecompile.models import build_model
 
@@ -76,7 +76,8 @@ def make_step(world_size: int, ep: int, shard: bool, dtype: str | None = None, b
     if recompute:
         plan["recompute"] = {"modules": recompute}
     result = mc.convert(dense, plan, (ids,))
-    return result, mc.build_train_step(result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.05)
+    return result, mc.build_train_step(result, optimizer=grouped_adamw, clip_grad_norm=1.0, bucket_mb=0.05,
+                                       compile=compile)
 
 
 def _train(step: Any, rank: int, world_size: int, first: int, count: int) -> list[dict]:
@@ -260,6 +261,14 @@ def zero3_worker(rank: int, world_size: int, out: str) -> dict:
     with later.gathered():  # the plan shards them again: the new step's ranges hold the same values
         res["taken_over"] = all(torch.equal(p, before[n]) for n, p in again.result.module.named_parameters())
     res["after_takeover"] = _train(later, rank, world_size, 2 * STEPS, 1)
+    # compiled, with recompute regions packing gathered parameters: the packing is eager, and was a frame dynamo
+    # compiled once per saved tensor's rank (and per step's gathered buffers) until its recompile limit
+    import torch._dynamo as dynamo
+
+    with dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        _, compiled = make_step(world_size, 1, True, compile={"backend": "aot_eager"},
+                                **{**ZERO3, "recompute": ["layernorm", "attention", "moe"]})
+        res["compiled_recompute"] = _train(compiled, rank, world_size, 0, STEPS)
     return res
 
 
