@@ -36,6 +36,8 @@ from typing import Any
 
 GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
 RECOMPUTABLE = ["router", "moe_act", "layernorm", "shared_experts", "moe", "attention"]
+DENSE = ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-mistral", "tiny-gemma", "tiny-phi3", "tiny-olmo2", "tiny-gpt2"]
+MOE = ["tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-deepseek-v3"]
 
 
 def random_plan(rng: random.Random) -> tuple[dict, str, int]:
@@ -74,7 +76,15 @@ def random_plan(rng: random.Random) -> tuple[dict, str, int]:
     if rng.random() < 0.2:
         plan["fp8"] = {"recipe": "blockwise", "block_size": 16}
     micro = rng.choice([1, 2])  # a rank's 2 sequences as 1 or 2 micro-batches
-    return plan, rng.choice(["tiny-llama", "tiny-llama", "tiny-qwen3", "tiny-gpt2"]), micro
+    model = rng.choice(["tiny-llama", "tiny-llama", "tiny-qwen3", "tiny-gpt2", "imported"])
+    if model == "imported":  # a Hugging Face MoE's own experts, adopted: its routing, the drawn losses
+        from moecompile.models import load_config, own_experts
+
+        model = rng.choice(MOE)
+        keep = ("aux_loss", "z_loss_coeff", "capacity_factor", "drop_policy")
+        experts = {**own_experts(load_config(model)), **{k: v for k, v in experts.items() if k in keep}}
+        plan["experts"] = experts
+    return plan, model, micro
 
 
 def _zero(level: int, parallel: dict) -> int:
@@ -191,10 +201,6 @@ def inspect(plan: dict, model: str, micro: int) -> list[str]:
     with tempfile.TemporaryDirectory() as d:
         mc.visualize(result, d + "/graph.html")
     return problems
-
-
-DENSE = ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-mistral", "tiny-gemma", "tiny-phi3", "tiny-olmo2", "tiny-gpt2"]
-MOE = ["tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-deepseek-v3"]
 
 
 def random_single(rng: random.Random) -> tuple[str, dict, dict]:
