@@ -166,13 +166,20 @@ def with_cuda_graph(plan: dict, rng: random.Random) -> dict:
 
 
 def mismatches(got: list[dict], want: list[dict], rel: float) -> list[str]:
+    """Step 0 within ``rel`` and the same expert loads. Later steps within 10 x ``rel`` and at most one token per
+    layer routed elsewhere: AdamW turns round-off in a near-zero gradient entry into a whole lr's move (ZeRO's
+    reduce-scatter sums in another order than an all-reduce), which can tip a near-tie token. ``rel`` 0: bitwise."""
     bad = []
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        bound = rel if i == 0 else 10 * rel
         for key in ("loss", "grad_norm"):
-            if abs(g[key] - w[key]) > rel * abs(w[key]):
+            if abs(g[key] - w[key]) > bound * abs(w[key]):
                 bad.append(f"step {i} {key} {g[key]} vs {w[key]}")
-        if g["load"] != w["load"] and rel < 1e-3:  # FP8 / slices may move a near-tie token to another expert
-            bad.append(f"step {i} expert loads differ")
+        if rel >= 1e-3:  # FP8 / slices / bf16 may move near-tie tokens to other experts
+            continue
+        moved = {k: sum(abs(a - b) for a, b in zip(g["load"][k], w["load"][k])) for k in w["load"]}
+        if g["load"].keys() != w["load"].keys() or any(m > (0 if i == 0 or rel == 0 else 2) for m in moved.values()):
+            bad.append(f"step {i} expert loads differ: {g['load']} vs {w['load']}")
     return bad
 
 
