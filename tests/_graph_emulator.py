@@ -53,9 +53,13 @@ class _NoHostReads(TorchDispatchMode):
         return out
 
     def _remember_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
-        """Keep the old value of every tensor the op writes: a capture launches nothing, so it changes nothing."""
+        """Keep the old value of every tensor the op writes: a capture launches nothing, so it changes nothing.
+        c10d's in-place collectives (broadcast_, allreduce_, alltoall_base_, ...) write their tensors without
+        saying so in their schemas: all their tensors count as written (missed, a ZeRO all-gather's values
+        received at capture stayed, and the replay's update came on top of the capture's)."""
         for i, a in enumerate(func._schema.arguments):
-            if a.alias_info is None or not a.alias_info.is_write:
+            written = a.alias_info is not None and a.alias_info.is_write
+            if not (written or func.namespace == "c10d"):
                 continue
             value = args[i] if i < len(args) else kwargs.get(a.name)
             for t in pytree.tree_leaves(value):
@@ -63,8 +67,10 @@ class _NoHostReads(TorchDispatchMode):
                     self.before[id(t)] = (t, t.detach().clone())
 
     def undo_writes(self) -> None:
+        """Last write first, so that of views of one memory written in turn (an optimizer's update of this rank's
+        range, then its broadcast of it) the value from before the capture is the one left."""
         with torch.no_grad():
-            for t, old in self.before.values():
+            for t, old in reversed(list(self.before.values())):
                 t.copy_(old)
         self.before.clear()
 

@@ -1,4 +1,4 @@
-"""Expert parallel (ep = 2, gloo) through the CUDA-graph runners on emulated graphs (spawned ranks)."""
+"""Expert parallel (ep = 2, gloo) through the CUDA-graph runners on emulated graphs (spawned ranks); ZeRO-1 too."""
 
 from __future__ import annotations
 
@@ -33,4 +33,9 @@ def ep2_graphs_worker(rank: int, world_size: int) -> dict:
         out["dropless_eager"] = _losses(dropless, None, rank, world_size)
         out["partial"] = _losses(dropless, "partial", rank, world_size)
         out["partial_replays"] = [g.replays for g in graphs]
+        # ZeRO-1: the optimizer steps this rank's range, then the ranges are all-gathered (gloo: broadcast), all
+        # inside the capture; the capture must leave every rank's parameters as they were
+        zero1 = {**static, "parallel": {**static["parallel"], "shard_optimizer": True}}
+        out["zero1_eager"], out["zero1_full"] = _losses(zero1, None, rank, world_size), _losses(zero1, "full", rank,
+                                                                                                 world_size)
     return out

@@ -292,6 +292,7 @@ def test_ep2_steps_replay_on_emulated_graphs():
         assert r["full"] == r["static_eager"]
         assert r["partial_replays"] and set(r["partial_replays"]) == {3}
         assert r["partial"] == r["dropless_eager"]
+        assert r["zero1_full"] == r["zero1_eager"]  # the capture must undo its collectives' writes too
 
 
 # ---------------------------------------------------------------- on a GPU

@@ -32,8 +32,6 @@ def test_random_checkpoints_resume_at_random_layouts():
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.xfail(strict=True, reason="open (stop 42): cuda_graph full with parallel.shard_optimizer replays a "
-                                       "step that diverges from eager (draw 1: loss 5.31 vs 5.44 at the first replay)")
 def test_random_plans_replay_their_cuda_graph_runner_bitwise_on_emulated_graphs():
     assert run("graphs", 3, seed=31) == []
 
