@@ -29,7 +29,8 @@ _PACKERS: list[tuple[Packer, Callable[[], bool]]] = []
 
 def register_packer(packer: Packer, active: Callable[[], bool]) -> None:
     """Let ``packer`` claim tensors while ``active()``: it returns a Handle for one whose memory its runtime may
-    free, else None. ``active`` is cheap and traceable (a module-level container's truth)."""
+    free, else None. ``active`` is cheap and traceable: it reads a module-level int (compiled code guards on its
+    value, so it must change only when a runtime comes or goes, not with what that runtime holds)."""
     if all(p is not packer for p, _ in _PACKERS):
         _PACKERS.append((packer, active))
 
