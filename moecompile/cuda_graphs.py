@@ -28,6 +28,7 @@ themselves are tested on CPU against emulated graphs (tests/_graph_emulator.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -497,11 +498,10 @@ class PartialGraphRunner:
         for h in hooks:
             h.remove()
         names = list(samples)
-        regions = [_TensorRegion(getattr(self.split, n), *samples[n]) for n in names]
+        regions = [_TensorRegion(getattr(self.split, n), *samples[n], self.step._autocast) for n in names]
         args = tuple(r.sample_tensors() for r in regions)
-        # captured under the step's autocast (cache off), so each graph holds the kernels training runs
-        with self.step._autocast():
-            graphed = torch.cuda.make_graphed_callables(tuple(regions), args, allow_unused_input=True, pool=self.pool)
+        # each forward captures under the step's autocast (cache off), each backward without, as training runs
+        graphed = torch.cuda.make_graphed_callables(tuple(regions), args, allow_unused_input=True, pool=self.pool)
         for name, region in zip(names, graphed):
             setattr(self.split, name, _GraphedRegion(name, region))
         self.graphed = True
@@ -514,11 +514,16 @@ class _TensorRegion(torch.nn.Module):
 
     Its other inputs (constant flags) and outputs (sizes, which a graph of fixed shapes
     fixes too) keep the values of the sample run; :class:`_GraphedRegion` puts them back.
+    Autocast is entered here, in the forward, not around make_graphed_callables: its backward
+    capture calls autograd there, and a backward under autocast runs an fp32 op's gradient in
+    bf16 (an imported DeepSeek-V3's fp32 attention ``bmm``), where the eager step's backward,
+    outside autocast, does not.
     """
 
-    def __init__(self, region: torch.nn.Module, sample_args: tuple, sample_out: Any):
+    def __init__(self, region: torch.nn.Module, sample_args: tuple, sample_out: Any,
+                 autocast: Callable[[], contextlib.AbstractContextManager]):
         super().__init__()
-        self.region = region
+        self.region, self.autocast = region, autocast
         self.args = list(sample_args)
         self.arg_slots = [i for i, a in enumerate(sample_args) if isinstance(a, torch.Tensor)]
         self.outs, self.out_spec = pytree.tree_flatten(sample_out)
@@ -531,7 +536,8 @@ class _TensorRegion(torch.nn.Module):
         args = list(self.args)
         for i, t in zip(self.arg_slots, tensors):
             args[i] = t
-        flat = pytree.tree_leaves(self.region(*args))
+        with self.autocast():
+            flat = pytree.tree_leaves(self.region(*args))
         return tuple(flat[i] for i in self.out_slots)
 
 

@@ -10,7 +10,8 @@ is an error. ``emulated_cuda_graphs()`` reproduces exactly that at the ATen leve
   through a TorchDispatchMode; host reads (``.item()``, ``equal``, ``nonzero``...) raise
   as a capture would;
 - ``g.replay()`` re-runs the recorded ops on the same tensor objects and writes each
-  result into the tensor the capture produced (views and in-place ops alias already);
+  result into the tensor the capture produced (views and in-place ops alias already),
+  outside autocast, which already chose the recorded ops' dtypes;
 - ``torch.cuda.set_sync_debug_mode("error")`` makes host reads raise outside capture;
 - streams, ``synchronize`` and memory pools are no-ops (one device, one stream); a replayed
   collective is waited on at once, as stream order would.
@@ -90,8 +91,11 @@ class EmulatedGraph:
         EmulatedGraph.made.append(self)
 
     def replay(self) -> None:
+        """Kernels only: no autograd graph, and no autocast. The tape holds ops autocast already rewrote (the
+        dispatch mode records below it); run again under the caller's autocast, an fp32 ``bmm`` it had let be
+        would compute in bf16 (missed, an imported DeepSeek-V3's attention replayed 2e-3 off its eager logits)."""
         self.replays += 1
-        with torch.no_grad():  # kernels only: a replay builds no autograd graph
+        with torch.no_grad(), torch._C._DisableAutocast():
             for func, args, kwargs, recorded in self.tape:
                 self._rerun(func, args, kwargs, recorded)
 

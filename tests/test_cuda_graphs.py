@@ -20,8 +20,9 @@ STATIC = {"experts": {"num_experts": 4, "top_k": 2, "capacity_factor": 1.0, "aux
           "parallel": {"dispatch_mode": "static"}}
 
 
-def convert(plan: dict, device: str = "cpu", passes=None) -> tuple[mc.ConversionResult, torch.Tensor]:
-    dense, (ids,) = build_model("tiny-llama", vocab_size=256, batch_size=BATCH, seq_len=SEQ)
+def convert(plan: dict, device: str = "cpu", passes=None, model: str = "tiny-llama") -> tuple[mc.ConversionResult,
+                                                                                             torch.Tensor]:
+    dense, (ids,) = build_model(model, vocab_size=256, batch_size=BATCH, seq_len=SEQ)
     dense, ids = dense.to(device), ids.to(device)
     return mc.convert(dense, plan, (ids,), passes=passes), ids
 
@@ -174,8 +175,9 @@ def test_dropless_ep2_is_not_capture_safe_but_its_static_regions_are():
 # Python, as a CUDA graph does: what the runners get wrong there, they get wrong on a GPU.
 
 
-def _emulated(plan: dict, runner: str | None, n: int = 5, precision: str = "fp32", optimizer=None,
-              schedule=None, loss_fn=None, batch: int = BATCH, by_name: bool = False) -> tuple[list[float], list]:
+def _emulated(plan: dict, runner: str | None, n: int = 5, precision: str = "fp32", optimizer=None, schedule=None,
+              loss_fn=None, batch: int = BATCH, by_name: bool = False, model: str = "tiny-llama") -> tuple[list, list]:
+    """Each step's (loss, gradient norm) and the graphs made: the norm sees the backward, which a loss sees late."""
     from _graph_emulator import emulated_cuda_graphs
 
     import moecompile.cuda_graphs as cg
@@ -185,15 +187,17 @@ def _emulated(plan: dict, runner: str | None, n: int = 5, precision: str = "fp32
     data = ByteBatches(stdlib_bytes(100_000), batch, SEQ)
     with emulated_cuda_graphs() as graphs:
         torch.manual_seed(0)
-        result, _ = convert(plan)
-        step = mc.build_train_step(result, optimizer=optimizer, precision=precision, loss_fn=loss_fn)
+        result, _ = convert(plan, model=model)
+        step = mc.build_train_step(result, optimizer=optimizer, precision=precision, loss_fn=loss_fn,
+                                   clip_grad_norm=1.0)
         if runner is not None:
             step.runner = {"full": cg.FullGraphRunner, "partial": cg.PartialGraphRunner}[runner](step)
         sched = schedule(step.optimizer) if schedule else None
         losses = []
         for i in range(n):
             x, y = data[i]
-            losses.append(step({"input_ids": x} if by_name else x, y).loss)
+            m = step({"input_ids": x} if by_name else x, y)
+            losses.append((m.loss, m.grad_norm))
             if sched:
                 sched.step()
     return losses, graphs
@@ -241,6 +245,38 @@ def test_partial_capture_replays_the_eager_step_on_emulated_graphs(precision):
     # and a backward graph each, replayed on steps 3..5 while the dropless experts run eagerly
     assert [g.replays for g in graphs] == [3] * 6
     assert partial == eager  # bitwise; in bf16 only if the regions were captured under autocast
+
+
+def test_partial_capture_of_fp32_attention_in_bf16_replays_the_eager_step():
+    """DeepSeek-V3's MLA attention runs its score bmm in fp32 inside the bf16 step: the captured backward must
+    compute its gradient as the eager backward does, outside autocast (it ran in bf16: step 1's norm 1.8e-4 off)."""
+    from moecompile.models import load_config, own_experts
+
+    plan = {"experts": own_experts(load_config("tiny-deepseek-v3"))}
+    eager, _ = _emulated(plan, None, n=4, precision="bf16", model="tiny-deepseek-v3")
+    partial, graphs = _emulated(plan, "partial", n=4, precision="bf16", model="tiny-deepseek-v3")
+    assert graphs and all(g.replays == 2 for g in graphs)
+    assert partial == eager
+
+
+def test_an_emulated_replay_runs_the_captured_kernels_under_the_callers_autocast():
+    """A replay launches kernels; it does not dispatch again, so autocast around it changes nothing."""
+    from _graph_emulator import emulated_cuda_graphs
+
+    def region(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):  # an fp32 island, as models keep attention scores or rotary
+            return torch.bmm(x.exp(), w)
+
+    a, b = torch.randn(2, 8, 8), torch.randn(2, 8, 8)
+    static = torch.zeros_like(a)
+    with emulated_cuda_graphs(), torch.autocast("cpu", torch.bfloat16):
+        want = region(a, b)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = region(static, b)
+        static.copy_(a)
+        graph.replay()
+    assert out.dtype == torch.float32 and torch.equal(out, want)
 
 
 @pytest.mark.parametrize("runner", ["full", "partial"])
