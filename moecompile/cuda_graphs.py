@@ -16,7 +16,8 @@ Runners (``cuda_graph.mode``)::
              gradient sync, optimizer, expert-bias update) captured once into a
              torch.cuda.CUDAGraph over static input buffers and replayed
     partial  the graph split into static regions (attention, router, dense parts),
-             each captured with make_graphed_callables under the step's autocast, and
+             each captured with make_graphed_callables (forward under the step's autocast,
+             backward outside it, as the eager step runs them), and
              dynamic expert regions (permute .. combine) run eagerly between them
 
 A replay runs no Python, so what the step computed in Python at capture time is frozen:
