@@ -14,11 +14,11 @@ HybridDeviceOptimizer and DeepSpeed's ZeRO-Offload do:
 
 One optimizer holds both parts (its state, param groups, checkpoints and schedulers are the
 user's, unchanged); each part is a ``step()`` over its own tensors, so each gets its device's
-implementation: torch's default on CUDA (foreach), and on the host the fused CPU kernel where the
-optimizer has one and the factory left the choice to torch (``fused`` and ``foreach`` unset: torch
-would pick its for-loop one for CPU tensors, 2.2x slower at 32 M elements on 2 cores,
-``python benchmarks/host_adamw.py``; it rounds an ulp apart from it). A factory that sets either
-keeps its choice on both sides. The host part is the first tensors in parameter order up to the
+implementation: torch's default on CUDA (foreach), and on a CPU (the host part, or a whole step
+whose device is the CPU) the fused CPU kernel where the optimizer has one and the factory left the
+choice to torch (``fused`` and ``foreach`` unset, not ``capturable``: torch would pick its for-loop
+one for CPU tensors, 2.2x slower at 32 M elements on 2 cores, ``python benchmarks/host_adamw.py``;
+it rounds an ulp apart from it). A factory that sets either keeps its choice on both sides. The host part is the first tensors in parameter order up to the
 plan's share of the elements (:func:`offloaded_count`), whole tensors, so the share reached is at
 least the one asked for.
 """
@@ -150,7 +150,7 @@ def _only(optimizer: torch.optim.Optimizer, keep: Callable[[torch.Tensor], bool]
     try:
         for g, (params, _) in zip(groups, saved):
             g["params"] = [p for p in params if keep(p)]
-            if fuse and g.get("fused") is None and g.get("foreach") is None:
+            if fuse and g.get("fused") is None and g.get("foreach") is None and not g.get("capturable"):
                 g["fused"] = True
         yield any(g["params"] for g in groups)
     finally:
@@ -178,8 +178,10 @@ def step(optimizer: torch.optim.Optimizer, updates: list[Update], device: torch.
     for u in updates:
         u.load_grad()
     host = [u for u in updates if isinstance(u, HostUpdate)]
+    on_cpu = device.type == "cpu"
     if not host:
-        optimizer.step()
+        with _only(optimizer, lambda p: True, fused=on_cpu):
+            optimizer.step()
         return
     arrived = None
     if device.type == "cuda":
@@ -187,7 +189,7 @@ def step(optimizer: torch.optim.Optimizer, updates: list[Update], device: torch.
         arrived.record()
     on_host = {id(u.tensor) for u in host}
     with _hooks_once(optimizer) as step_part:
-        with _only(optimizer, lambda p: id(p) not in on_host) as any_left:
+        with _only(optimizer, lambda p: id(p) not in on_host, fused=on_cpu) as any_left:
             if any_left:
                 step_part()  # queued on the device; runs while the host part below does
         if arrived is not None:

@@ -163,22 +163,26 @@ def test_a_share_outside_0_to_1_or_a_full_capture_is_a_plan_error():
     mc.Plan(parallel={"offload_optimizer": 0.5}, cuda_graph={"mode": "partial"})  # the optimizer runs eagerly there
 
 
-def test_left_to_torch_the_host_part_runs_the_fused_cpu_kernel(data, monkeypatch):
+def test_left_to_torch_every_part_on_a_cpu_runs_the_fused_cpu_kernel(data, monkeypatch):
+    """The host part, and on a CPU device the device part too: torch would run its for-loop AdamW there."""
     import torch.optim.adam as adam
 
     calls = []
     fused = adam._fused_adam
     monkeypatch.setattr(adam, "_fused_adam", lambda params, *a, **k: calls.append(len(params)) or fused(params, *a, **k))
     torch_default = lambda ps: grouped_adamw(ps, foreach=None)  # noqa: E731  (fused, foreach: None)
-    _, plain = make_step(0.0, optimizer=torch_default)
-    _, step = make_step(0.5, optimizer=torch_default)
-    want = train(plain, data, 0, STEPS)
-    assert not calls  # on the device torch picks its own (for CPU tensors: the for-loop one)
-    got = train(step, data, 0, STEPS)
-    host = sum(isinstance(u, HostUpdate) for u in step.updates)
-    assert sum(calls) == host * STEPS  # the host part (both groups), fused, each step
-    assert got == pytest.approx(want, rel=1e-5)  # fused rounds an ulp apart
-    assert all(g["fused"] is None and g["foreach"] is None for g in step.optimizer.param_groups)  # restored
+    result, loop = make_step(0.0)  # the factory chose foreach=False: kept
+    want = train(loop, data, 0, STEPS)
+    assert not calls
+    tensors = sum(1 for p in result.module.parameters() if p.requires_grad)
+    for offload in (0.0, 0.5):
+        _, step = make_step(offload, optimizer=torch_default)
+        got = train(step, data, 0, STEPS)
+        assert 0 < sum(isinstance(u, HostUpdate) for u in step.updates) < tensors or not offload
+        assert sum(calls) == tensors * STEPS  # every tensor, each step: host part and CPU device part alike
+        assert got == pytest.approx(want, rel=1e-5)  # fused rounds an ulp apart
+        assert all(g["fused"] is None and g["foreach"] is None for g in step.optimizer.param_groups)  # restored
+        calls.clear()
 
 
 def offload_worker(rank: int, world_size: int) -> dict:
