@@ -16,7 +16,9 @@ efficiencies are those stated once in moecompile/planner/cluster.py.
 4 (and ep x etp layouts, ``--eps 2,1x2,4,2x2``: experts cut into etp slices over ep x etp ranks);
 the prediction uses a CPU "cluster" measured by microbenchmarks in the same processes just
 before the run (matmul, copy, per-op overhead, gloo all-to-all) and the profile of the very
-graph each rank runs.
+graph each rank runs. For the one-rank layout it then says where the error is: the step's
+forward, backward and optimizer timed apart against their terms, and every op of the forward
+graph timed on its own (node by node) against its price, summed by category.
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ import torch
 
 import moecompile as mc
 from moecompile.planner import Candidate, estimate, preset, profile_config, profile_result
+from moecompile.planner.cost_model import op_seconds
 from moecompile.planner.microbench import cluster_from, measure_rank, run_ranks
+from moecompile.planner.profile import node_costs
 
 PAPER = "arXiv 2603.07685 (Scalable Training of MoE Models with Megatron Core), Tables 11/17/20 and App. B.2"
 GB200_BLOG = "Megatron-LM docs/discussions/deepseek-v3-gb200-optimization (final row, 970.01)"
@@ -170,9 +174,61 @@ def _train_rank(rank: int, world: int, batch: int, seq: int, steps: int, experts
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times.append(float(t[0]))
         cpu.append(float(t[1]))
+    parts = _phases(step, x, y, steps) if world == 1 else None
+    ops = _forward_ops(result, x, steps) if world == 1 else None
     after = measure_rank(world, cpu_time=True)  # the machine may be shared: keep the better of the two samples
     bench = {k: (max if k in ("matmul_flops", "copy_bw") else min)(before[k], after[k]) for k in before}
-    return {"bench": bench, "times": times, "cpu": cpu, "profile": profile_result(result) if rank == 0 else None}
+    return {"bench": bench, "times": times, "cpu": cpu, "profile": profile_result(result) if rank == 0 else None,
+            "phases": parts, "ops": ops}
+
+
+def _phases(step: mc.TrainStep, x: torch.Tensor, y: torch.Tensor, steps: int) -> dict[str, float]:
+    """CPU seconds of the step's forward (the model) and optimizer, and of the whole step: fastest of ``steps``."""
+    import moecompile.optimizer_offload as offload
+
+    spent: dict[str, list[float]] = {"forward": [], "optimizer": [], "step": []}
+
+    def timed(name: str, fn):
+        def wrapper(*args, **kwargs):
+            start = time.process_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name].append(time.process_time() - start)
+        return wrapper
+
+    forward, optimizer_step = step._forward, offload.step
+    step._forward, offload.step = timed("forward", forward), timed("optimizer", optimizer_step)
+    try:
+        for _ in range(steps):
+            timed("step", step)(x, y)
+    finally:
+        step._forward, offload.step = forward, optimizer_step
+    return {k: min(v) for k, v in spent.items()}
+
+
+def _forward_ops(result: mc.ConversionResult, x: torch.Tensor, runs: int) -> dict:
+    """Each priced op of the forward graph (its NodeCost) with its CPU seconds, fastest of ``runs`` forwards run
+    node by node, and the seconds of the nodes the cost model does not price (views, getitem, outputs)."""
+    import torch.fx as fx
+
+    best: dict[str, float] = {}
+
+    class Timer(fx.Interpreter):
+        def run_node(self, n: fx.Node):
+            start = time.process_time()
+            out = super().run_node(n)
+            best[n.name] = min(best.get(n.name, float("inf")), time.process_time() - start)
+            return out
+
+    gm = result.module
+    names = [p.target for p in gm.graph.find_nodes(op="placeholder")][1:]
+    with torch.no_grad():
+        for _ in range(runs):
+            Timer(gm).run(x, *[result.example_kwargs.get(n) for n in names])
+    priced = [(nc, best.get(node.name, 0.0)) for node, nc in node_costs(gm)]
+    unpriced = sum(best.values()) - sum(t for _, t in priced)
+    return {"priced": priced, "unpriced": unpriced}
 
 
 def cpu_table(layouts: tuple[tuple[int, int], ...] = ((1, 1), (2, 1), (4, 1)), batch: int = 8, seq: int = 128,
@@ -191,7 +247,8 @@ def cpu_table(layouts: tuple[tuple[int, int], ...] = ((1, 1), (2, 1), (4, 1)), b
         fastest, median, cpu = min(times), statistics.median(times), min(ranks[0]["cpu"])
         local = est.step_s - est.term("dispatch+combine") - est.term("gradient sync")  # work on the rank's own core
         rows.append(dict(ep=ep if etp == 1 else f"{ep} x etp {etp}", cluster=cluster, est=est, measured=fastest, median=median, cpu=cpu, local=local,
-                         error=(est.step_s - fastest) / fastest, cpu_error=(local - cpu) / cpu))
+                         error=(est.step_s - fastest) / fastest, cpu_error=(local - cpu) / cpu,
+                         phases=ranks[0]["phases"], ops=ranks[0]["ops"], price=op_seconds(prof, cluster, cand)))
     return rows
 
 
@@ -212,6 +269,33 @@ def print_cpu(rows: list[dict], batch: int, seq: int) -> None:
     print("Measured clusters (microbenchmarks in the same processes, before and after training):")
     for d in rows:
         print(f"- ep={d['ep']}: {d['cluster'].source}")
+    for d in rows:
+        if d["phases"]:
+            print_breakdown(d)
+
+
+def print_breakdown(d: dict) -> None:
+    """Where the one-rank step's CPU time goes, against what each part is priced: its phases, then its forward
+    graph's ops by category, each op timed on its own (node by node, fastest of the runs)."""
+    est, ph = d["est"], d["phases"]
+    rest = ph["step"] - ph["forward"] - ph["optimizer"]
+    print(f"\n### Where the ep={d['ep']} step's CPU time goes\n")
+    print("| part | predicted | measured | error |\n|---|---|---|---|")
+    for name, want, got in (("forward (the model)", est.term("forward"), ph["forward"]),
+                            ("backward, loss and the rest", est.term("backward") + est.term("recompute"), rest),
+                            ("optimizer", est.term("optimizer"), ph["optimizer"]),
+                            ("step", d["local"], ph["step"])):
+        print(f"| {name} | {want * 1e3:.1f} ms | {got * 1e3:.1f} ms | {(want - got) / got:+.0%} |")
+    by: dict[str, list[float]] = {}
+    for nc, t in d["ops"]["priced"]:
+        entry = by.setdefault(nc.category, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += d["price"](nc)
+        entry[2] += t
+    print("\n| forward ops | count | predicted | measured | measured / predicted |\n|---|---|---|---|---|")
+    for cat, (n, want, got) in sorted(by.items(), key=lambda kv: -kv[1][2]):
+        print(f"| {cat} | {n} | {want * 1e3:.2f} ms | {got * 1e3:.2f} ms | {got / max(want, 1e-12):.2f}x |")
+    print(f"| not priced (views, getitem, output) | | | {d['ops']['unpriced'] * 1e3:.2f} ms | |")
 
 
 def main(argv: list[str] | None = None) -> int:

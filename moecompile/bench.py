@@ -216,8 +216,10 @@ def _hf_peer(result: Any, config: Any, experts_implementation: str, aux: bool) -
 
 
 def _plain_step(model: torch.nn.Module, lr: float, aux_coeff: float) -> Callable[[torch.Tensor, torch.Tensor], float]:
-    """The loop a user writes by hand: forward, cross-entropy (+ HF's aux loss), backward, AdamW."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    """The loop a user writes by hand: forward, cross-entropy (+ HF's aux loss), backward, AdamW (on a CPU its fused
+    kernel, which build_train_step runs there too: the rows differ in the model, not the optimizer's code)."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True if on_cpu else None)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> float:
         out = model(x)

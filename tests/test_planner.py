@@ -240,6 +240,20 @@ def test_explain_prints_every_term(tiny_profile):
     assert "= step" in text and "fits" in text
 
 
+@pytest.mark.parametrize("micro_batch, fp8", [(1, False), (4, True)])
+def test_op_seconds_are_the_ops_the_forward_term_sums(tiny_profile, micro_batch, fp8):
+    """A validation that times each op against its price (benchmarks/planner_validation.py) checks the estimate."""
+    from moecompile.planner.cost_model import op_seconds
+
+    plan = mc.Plan.from_dict({"experts": MANY, "fp8": {"recipe": "blockwise" if fp8 else "none"}})
+    cand = Candidate(plan, micro_batch=micro_batch, assume_fp8=fp8)
+    cluster = tiny_cluster(8)
+    est = estimate(tiny_profile, cluster, cand, 8 * micro_batch)
+    price = op_seconds(tiny_profile, cluster, cand)
+    assert sum(price(nc) * lp.count for lp in tiny_profile.layers for nc in lp.nodes) == pytest.approx(
+        est.term("forward"))
+
+
 def test_layer_scaling_is_exact_for_flops():
     """One traced layer scaled to 3 gives the same FLOPs and parameters as converting all 3 layers."""
     import transformers

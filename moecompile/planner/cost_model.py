@@ -61,7 +61,7 @@ The model, per micro-batch and rank (T tokens of the micro-batch, /tp with seque
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -313,6 +313,12 @@ class _Times:
             if nc.recomputed or (nc.tags & self.recompute):
                 out["recompute"] += t
         return out
+
+
+def op_seconds(profile: ModelProfile, cluster: Cluster, cand: Candidate) -> Callable[[NodeCost], float]:
+    """The forward price of one op of ``profile``'s graph, as :func:`estimate` sums it: for a check that times
+    the ops themselves (``benchmarks/planner_validation.py``)."""
+    return _Times(profile, cluster, cand).op
 
 
 # --- communication --------------------------------------------------------------------------------
