@@ -254,6 +254,21 @@ def test_op_seconds_are_the_ops_the_forward_term_sums(tiny_profile, micro_batch,
         est.term("forward"))
 
 
+@pytest.mark.parametrize("elem_bytes, per_param", [(2, 2 * (4 + 8) + 2 + 2), (4, 2 * (4 + 8) + 4)])
+def test_the_optimizer_streams_a_separate_parameter_only_for_a_low_precision_model(tiny_profile, elem_bytes,
+                                                                                   per_param):
+    """bf16: the fp32 master and both moments read and written, the bf16 gradient read and the bf16 parameter
+    written; fp32: the parameter is the master (read and written with the moments), and its gradient read."""
+    from moecompile.planner.cost_model import optimizer_params
+
+    profile = dataclasses.replace(tiny_profile, elem_bytes=elem_bytes)
+    cluster = tiny_cluster(1)
+    cand = Candidate(mc.Plan.from_dict({"experts": MANY}), micro_batch=1)
+    est = estimate(profile, cluster, cand, 1)
+    want = optimizer_params(profile, cand, 1) * per_param / cluster.memory_bandwidth
+    assert est.term("optimizer") == pytest.approx(want)
+
+
 def test_layer_scaling_is_exact_for_flops():
     """One traced layer scaled to 3 gives the same FLOPs and parameters as converting all 3 layers."""
     import transformers

@@ -528,8 +528,10 @@ def estimate(profile: ModelProfile, cluster: Cluster, cand: Candidate, global_ba
                           "before forward reads it (the next bucket prefetched) and again in backward; dense over "
                           f"dp={dp}, experts over edp={edp}; counted exposed: how much the prefetch hides behind "
                           "compute is not measured"))
-    # AdamW reads and writes the fp32 master and both states, reads the gradient, writes the parameter
-    per_param = 2 * (4 + 2 * cand.moment_bytes) + gbytes + profile.elem_bytes
+    # AdamW reads and writes the fp32 master and both states, reads the gradient, and writes a low-precision model's
+    # parameter (an fp32 model's parameter is its master: 28 B, not 32)
+    e = profile.elem_bytes
+    per_param = 2 * (4 + 2 * cand.moment_bytes) + gbytes + (e if e < 4 else 0)
     owned, f = optimizer_params(profile, cand, G), cand.offload
     opt_bytes = (1 - f) * owned * per_param
     t_device = opt_bytes / cluster.memory_bandwidth
