@@ -339,9 +339,9 @@ def test_ep2_steps_replay_on_emulated_graphs():
 _REL = {"fp32": 1e-4, "bf16": 5e-3}
 
 
-def _steps(mode: str, precision: str, n: int = 6) -> list[float]:
-    plan = {**STATIC, "cuda_graph": {"mode": mode, "warmup_steps": 2}}
-    result, _ = convert(plan, "cuda")
+def _steps(mode: str, precision: str, n: int = 6, plan: dict = STATIC, model: str = "tiny-llama") -> list[float]:
+    plan = {**plan, "cuda_graph": {"mode": mode, "warmup_steps": 2}}
+    result, _ = convert(plan, "cuda", model=model)
     step = mc.build_train_step(result, optimizer=lambda ps: torch.optim.AdamW(ps, lr=3e-3), precision=precision)
     data = ByteBatches(stdlib_bytes(100_000), BATCH, SEQ)
     return [step(tuple(t.cuda() for t in data[i])).loss for i in range(n)]
@@ -362,3 +362,14 @@ def test_partial_capture_replays_the_eager_step(precision):
     eager, partial = _steps("none", precision), _steps("partial", precision)
     assert partial == pytest.approx(eager, rel=_REL[precision], abs=1e-5)
 
+
+@pytest.mark.gpu
+@gpu
+def test_partial_capture_of_an_imported_deepseek_v3_replays_its_eager_bf16_step():
+    """Its MLA attention keeps fp32 islands in the bf16 step: the captured backward must run them as eager does."""
+    from moecompile.models import load_config, own_experts
+
+    plan = {"experts": own_experts(load_config("tiny-deepseek-v3"))}
+    eager = _steps("none", "bf16", plan=plan, model="tiny-deepseek-v3")
+    partial = _steps("partial", "bf16", plan=plan, model="tiny-deepseek-v3")
+    assert partial == pytest.approx(eager, rel=_REL["bf16"], abs=1e-5)
