@@ -99,27 +99,33 @@ def has_weights(name_or_path: str | Path) -> bool:
     return str(name_or_path) not in MODELS and path.is_dir() and any((path / f).is_file() for f in WEIGHT_FILES)
 
 
-# model types whose router is DeepSeek-V3's: sigmoid scores, a selection bias, group-limited, scaled
+# the architectures export_hf writes with DeepSeek-V3's router: sigmoid scores, a selection bias, group-limited, scaled
 GROUPED_SIGMOID_ROUTERS = ("deepseek_v3", "glm4_moe")
 
 
 def own_experts(config: Any) -> dict[str, Any]:
     """The ``experts`` plan fields a model with MoE layers of its own fixes (empty for a dense model).
 
-    Those layers are adopted as they are (pass ``import_moe``), so the plan must say what they are.
+    Those layers are adopted as they are (pass ``import_moe``), so the plan must say what they are. Read from the
+    config's fields, by what they are rather than by model type: a config with DeepSeek-V3's router fields
+    (``n_group``, ``topk_group``, ``routed_scaling_factor``) has its router, sigmoid scores with a selection bias
+    (DeepSeek-V3, GLM-4.5, dots.llm1, Solar Open, EXAONE MoE, MiMo-V2-Flash...). ``import_moe`` reads the blocks from
+    the traced graph and names any field these get wrong.
     """
-    num = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    num = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+           or getattr(config, "n_routed_experts", None))
     top_k = getattr(config, "num_experts_per_tok", None)
     if not num or not top_k:
         return {}
     fields = {"num_experts": int(num), "top_k": int(top_k), "normalize": bool(getattr(config, "norm_topk_prob", True))}
     if getattr(config, "shared_expert_intermediate_size", 0):  # Qwen2-MoE's gated shared expert
         fields["shared_experts"] = 1
-    if getattr(config, "model_type", None) in GROUPED_SIGMOID_ROUTERS:
+    if all(getattr(config, f, None) is not None for f in ("n_group", "topk_group", "routed_scaling_factor")):
         fields |= {"score": "sigmoid", "expert_bias": True, "router_dtype": "float32", "route_groups": int(config.n_group),
                    "route_group_top_k": int(config.topk_group), "route_scale": float(config.routed_scaling_factor)}
-        if getattr(config, "n_shared_experts", 0):  # however many, one GLU of n_shared * moe_intermediate_size
-            fields["shared_experts"] = 1
+    # however many, one GLU of n_shared * moe_intermediate_size
+    if getattr(config, "n_shared_experts", None) or getattr(config, "num_shared_experts", None):
+        fields["shared_experts"] = 1
     return fields
 
 

@@ -1,4 +1,4 @@
-"""import_moe: a Hugging Face MoE model (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, GLM-4.5) converted as it is.
+"""import_moe: a Hugging Face MoE model (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3 and its kin) converted as it is.
 
 Oracles: the Hugging Face model itself (same logits and the same gradients, by parameter, at
 conversion), a single process (ep=2 matches it step for step), and the exported checkpoint
@@ -132,6 +132,34 @@ def test_glm4_moe_is_adopted_too():
     ids = torch.randint(0, VOCAB, (2, 8))
     result = mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
     assert result.record("import_moe").data["layers"] == ["model.layers.1.mlp"]
+    torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["solar_open", "exaone_moe", "mimo_v2_flash"])
+def test_deepseek_v3_routers_of_other_model_types_are_read_from_their_config_fields(model_type):
+    """own_experts reads DeepSeek-V3's router from the config's fields, not from a list of model types: Solar Open,
+    EXAONE MoE and MiMo-V2-Flash carry it too (it used to say softmax for them, and convert refused the plan)."""
+    import transformers as T
+
+    try:
+        config = T.AutoConfig.for_model(model_type)
+    except ValueError:
+        pytest.skip(f"this transformers has no {model_type}")
+    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, n_routed_experts=8, num_experts=8,
+                 num_local_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                 first_k_dense_replace=0, max_position_embeddings=64)
+    for field, value in small.items():
+        if hasattr(config, field):
+            setattr(config, field, value)
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    randomise_selection_bias(model)
+    plan = own_experts(model.config)
+    assert plan["score"] == "sigmoid" and plan["route_groups"] == 4 and plan["route_scale"] == 2.5
+    ids = torch.randint(0, VOCAB, (2, 8))
+    result = mc.convert(model, {"experts": plan}, (ids,))
+    assert result.record("import_moe").data["layers"]
     torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
 
 
