@@ -109,8 +109,9 @@ def own_experts(config: Any) -> dict[str, Any]:
     Those layers are adopted as they are (pass ``import_moe``), so the plan must say what they are. Read from the
     config's fields, by what they are rather than by model type: a config with DeepSeek-V3's router fields
     (``n_group``, ``topk_group``, ``routed_scaling_factor``) has its router, sigmoid scores with a selection bias
-    (DeepSeek-V3, GLM-4.5, dots.llm1, Solar Open, EXAONE MoE, MiMo-V2-Flash...). ``import_moe`` reads the blocks from
-    the traced graph and names any field these get wrong.
+    (DeepSeek-V3, GLM-4.5, dots.llm1, Solar Open, EXAONE MoE, MiMo-V2-Flash...); ``ROUTERS`` adds what no field says
+    (ERNIE 4.5's selection bias). ``import_moe`` reads the blocks from the traced graph and names any field these
+    get wrong.
     """
     num = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
            or getattr(config, "n_routed_experts", None))
@@ -124,9 +125,13 @@ def own_experts(config: Any) -> dict[str, Any]:
         fields |= {"score": "sigmoid", "expert_bias": True, "router_dtype": "float32", "route_groups": int(config.n_group),
                    "route_group_top_k": int(config.topk_group), "route_scale": float(config.routed_scaling_factor)}
     # however many, one GLU of n_shared * moe_intermediate_size
-    if getattr(config, "n_shared_experts", None) or getattr(config, "num_shared_experts", None):
+    if any(getattr(config, f, None) for f in ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")):
         fields["shared_experts"] = 1
-    return fields
+    return fields | ROUTERS.get(getattr(config, "model_type", None), {})
+
+
+# what a model type's router has that its config has no field for
+ROUTERS = {"ernie4_5_moe": {"expert_bias": True, "router_dtype": "float32"}}  # softmax, its moe_statics bias, in fp32
 
 
 def list_models() -> list[tuple[str, str]]:

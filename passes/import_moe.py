@@ -120,7 +120,7 @@ class ExistingBlock:
         """The block's tensors by moecompile's keys (the shared GLU's gate and up fused, as the experts')."""
         out = {k: get_attr_value(gm, n) for k, n in self.params.items()}
         if self.router.bias:
-            out["bias"] = get_attr_value(gm, self.router.bias)
+            out["bias"] = get_attr_value(gm, self.router.bias).reshape(-1)  # [E], from [1, E] too
         if self.shared:
             w = {k: get_attr_value(gm, n) for k, n in self.shared.items()}
             out["shared_w_in"] = torch.cat([w["gate"], w["up"]])[None]  # [1, 2Fs, H]
@@ -147,6 +147,17 @@ def _fp32_router(nodes: list[fx.Node], weight: str) -> bool:
     return False
 
 
+_RESHAPES = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.view.default, aten.reshape.default}
+
+
+def _bias_attr(a: object) -> fx.Node | None:
+    """The block's tensor a score shift reads, directly or through a reshape (ERNIE 4.5 keeps its bias [1, E] and
+    squeezes it); None for anything else."""
+    if isinstance(a, fx.Node) and a.target in _RESHAPES:
+        a = a.args[0]
+    return a if isinstance(a, fx.Node) and a.op == "get_attr" else None
+
+
 def read_router(nodes: list[fx.Node], fail, weight: str) -> Router:
     """The router, read backwards from the block's last top-k (the one that picks the experts)."""
     topks = [n for n in nodes if n.target is aten.topk.default]
@@ -166,11 +177,11 @@ def read_router(nodes: list[fx.Node], fail, weight: str) -> Router:
         fail(f"its router takes {len(topks)} top-ks", "moecompile adopts one top-k, or DeepSeek-V3's groups")
     bias = None
     if choice.target is aten.add.Tensor:  # scores + a tensor of the block: a selection bias
-        attrs = [a for a in choice.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+        attrs = [a for a in choice.args if _bias_attr(a) is not None]
         if len(attrs) != 1:
             fail("its router adds something to the scores that is not one bias tensor",
                  "moecompile's selection bias is one [E] tensor")
-        bias = attrs[0].target
+        bias = _bias_attr(attrs[0]).target
         choice = next(a for a in choice.args if a is not attrs[0])
     if choice.target not in _SCORES:
         fail(f"its top-k picks from {choice.target}, not softmax or sigmoid scores", "moecompile adopts those routers")

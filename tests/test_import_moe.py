@@ -1,4 +1,5 @@
-"""import_moe: a Hugging Face MoE model (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3 and its kin) converted as it is.
+"""import_moe: a Hugging Face MoE model (Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, DeepSeek-V3 and its kin) converted as
+it is.
 
 Oracles: the Hugging Face model itself (same logits and the same gradients, by parameter, at
 conversion), a single process (ep=2 matches it step for step), and the exported checkpoint
@@ -160,6 +161,30 @@ def test_deepseek_v3_routers_of_other_model_types_are_read_from_their_config_fie
     ids = torch.randint(0, VOCAB, (2, 8))
     result = mc.convert(model, {"experts": plan}, (ids,))
     assert result.record("import_moe").data["layers"]
+    torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_ernie_4_5_moe_is_adopted_with_its_squeezed_selection_bias():
+    """ERNIE 4.5: softmax scores shifted by a [1, E] bias it squeezes, fp32 routing, an ungated shared GLU."""
+    import transformers as T
+
+    try:
+        config = T.AutoConfig.for_model(
+            "ernie4_5_moe", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_num_experts=8, moe_k=2,
+            moe_num_shared_experts=1, moe_layer_start_index=1, max_position_embeddings=64)
+    except ValueError:
+        pytest.skip("this transformers has no ernie4_5_moe")
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    ids = torch.randint(0, VOCAB, (2, 8))
+    result = mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
+    assert result.record("import_moe").data["layers"] == ["model.layers.1.mlp"]
+    assert "(biased selection)" in result.record("import_moe").decisions[0]
     torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
 
 
