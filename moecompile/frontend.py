@@ -24,13 +24,16 @@ log = logging.getLogger(__name__)
 
 
 def example_kwargs_for(model: nn.Module, kwargs: dict[str, Any] | None) -> dict[str, Any]:
-    """Add ``use_cache=False`` for models that take it: a KV cache is not a training input."""
+    """Add ``use_cache=False`` for models that take it: a KV cache is not a training input. Taken by name, or
+    through ``**kwargs`` by a model whose config caches (Granite-MoE's forward names no ``use_cache``)."""
     kwargs = dict(kwargs or {})
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return kwargs
-    if "use_cache" in params and "use_cache" not in kwargs:
+    through_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) and bool(
+        getattr(getattr(model, "config", None), "use_cache", False))
+    if ("use_cache" in params or through_kwargs) and "use_cache" not in kwargs:
         kwargs["use_cache"] = False
     return kwargs
 

@@ -224,6 +224,25 @@ class DataDependent(nn.Module):
         return x
 
 
+def test_a_model_taking_use_cache_through_kwargs_is_traced_without_a_cache():
+    """Granite-MoE's forward names no use_cache, takes it through **kwargs, and caches unless told not to."""
+    from moecompile.frontend import example_kwargs_for
+
+    class Cached(torch.nn.Module):
+        config = type("Config", (), {"use_cache": True})()
+
+        def forward(self, ids, **kwargs):
+            return ids
+
+    class Plain(torch.nn.Module):
+        def forward(self, ids, **kwargs):
+            return ids
+
+    assert example_kwargs_for(Cached(), None) == {"use_cache": False}
+    assert example_kwargs_for(Cached(), {"use_cache": True}) == {"use_cache": True}  # the caller's choice stays
+    assert example_kwargs_for(Plain(), None) == {}  # nothing says it caches: nothing added
+
+
 def test_untraceable_model_is_a_trace_error():
     with pytest.raises(mc.TraceError, match="DataDependent") as err:
         mc.convert(DataDependent(), plan(), (torch.randn(2, 4),))
