@@ -1,4 +1,5 @@
-"""Pass ``import_moe``: adopt the MoE blocks a model already has (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3).
+"""Pass ``import_moe``: adopt the MoE blocks a model already has (Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, Granite-MoE,
+DeepSeek-V3 and the models that reuse its router).
 
 Hugging Face's MoE layers (transformers 5) keep their experts fused, in moecompile's own layout::
 
@@ -14,8 +15,10 @@ example inputs produce. The router is read backwards from its last top-k: a grou
 (``masked_fill``) before it means group-limited routing, whose group count and kept groups
 come from the top-ks that build the mask; a tensor of the block added to the scores is a
 selection bias (``gate.e_score_correction_bias``, which becomes ``router.expert_bias`` and
-keeps training under ``experts.expert_bias_rate``); the weights are the top-k scores or the
-scores gathered at its indices, maybe renormalised (a ``div``), maybe scaled (a ``mul``);
+keeps training under ``experts.expert_bias_rate``; ERNIE 4.5 reads its [1, E] bias through a squeeze); the
+weights are the top-k scores or the scores gathered at its indices, maybe renormalised (a ``div``), maybe scaled
+(a ``mul``), or a softmax over the top-k *logits* (Granite-MoE, its router's weight ``router.weight``), which is
+the renormalised top-k of the softmax;
 casts of the router GEMM's input and weight to fp32 mean ``router_dtype: float32``.
 A shared expert is Qwen2-MoE's gated GLU or DeepSeek-V3's ungated one.
 
@@ -48,6 +51,7 @@ aten = torch.ops.aten
 
 # block tensor key -> Hugging Face parameter name under the block's module path
 HF_NAMES = {"router": "gate.weight", "w_in": "experts.gate_up_proj", "w_out": "experts.down_proj"}
+GRANITE_ROUTER = "router.weight"  # Granite-MoE's name for the router's weight
 # the shared experts moecompile's block can be: a GLU beside the routed experts, Qwen2-MoE's behind a
 # per-token sigmoid gate, DeepSeek-V3's (n_shared_experts of them fused into one wide GLU) ungated
 SHARED_LAYOUTS = (
@@ -184,7 +188,10 @@ def read_router(nodes: list[fx.Node], fail, weight: str) -> Router:
         bias = _bias_attr(attrs[0]).target
         choice = next(a for a in choice.args if a is not attrs[0])
     if choice.target not in _SCORES:
-        fail(f"its top-k picks from {choice.target}, not softmax or sigmoid scores", "moecompile adopts those routers")
+        late = _softmax_of_top_logits(pick, choice, weight)
+        if late is None or bias or groups > 1:
+            fail(f"its top-k picks from {choice.target}, not softmax or sigmoid scores", "moecompile adopts those routers")
+        return Router(int(pick.args[1]), "softmax", True, None, 1, 1, _scale_of(late), "model")
     values = next((u for u in pick.users if u.args[1] == 0 and u.users), None)  # the top-k scores (getitem 0)
     indices = next((u for u in pick.users if u.args[1] == 1), None)
     gathered = [n for n in nodes if n.target is aten.gather.default and n.args[0] is choice and n.args[2] is indices]
@@ -195,11 +202,24 @@ def read_router(nodes: list[fx.Node], fail, weight: str) -> Router:
     if bias and weights is values:
         fail(f"its routing weights are the biased scores ({bias} added)", "moecompile weighs by unbiased scores")
     divided = next((n for n in nodes if n.target in _DIV and n.args[0] is weights), None)
-    last = divided or weights
-    scaled = next((u for u in last.users if u.target is aten.mul.Tensor and isinstance(u.args[1], (int, float))), None)
     return Router(int(pick.args[1]), _SCORES[choice.target], divided is not None, bias, groups, group_k,
-                  float(scaled.args[1]) if scaled is not None else 1.0,
-                  "float32" if _fp32_router(nodes, weight) else "model")
+                  _scale_of(divided or weights), "float32" if _fp32_router(nodes, weight) else "model")
+
+
+def _scale_of(weights: fx.Node) -> float:
+    """The constant the routing weights are multiplied by (DeepSeek-V3's routed_scaling_factor), else 1."""
+    scaled = next((u for u in weights.users if u.target is aten.mul.Tensor and isinstance(u.args[1], (int, float))), None)
+    return float(scaled.args[1]) if scaled is not None else 1.0
+
+
+def _softmax_of_top_logits(pick: fx.Node, choice: fx.Node, weight: str) -> fx.Node | None:
+    """The softmax over the top-k router logits (Granite-MoE: top-k of ``linear(x, W).float()``, then a softmax of
+    the k values), which equals the top-k of the softmax renormalised; None for any other router."""
+    logits = choice.args[0] if choice.target is aten.to.dtype else choice
+    if logits.target is not aten.linear.default or getattr(logits.args[1], "target", None) != weight:
+        return None
+    values = next((u for u in pick.users if u.args[1] == 0), None)
+    return next((u for u in values.users if u.target in _SCORES and _SCORES[u.target] == "softmax"), None) if values else None
 
 
 def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
@@ -217,6 +237,8 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
 
     attrs = {a.target for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}
     params = {k: f"{layer}.{v}" for k, v in HF_NAMES.items()}
+    if params["router"] not in attrs and f"{layer}.{GRANITE_ROUTER}" in attrs:
+        params["router"] = f"{layer}.{GRANITE_ROUTER}"
     layouts = [{k: f"{layer}.{v}" for k, v in names.items()} for names in SHARED_LAYOUTS]
     shared = next((names for names in layouts if set(names.values()) <= attrs), {})
     if any(n.target in _RANDOM for n in nodes):

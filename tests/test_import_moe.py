@@ -1,5 +1,5 @@
-"""import_moe: a Hugging Face MoE model (Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, DeepSeek-V3 and its kin) converted as
-it is.
+"""import_moe: a Hugging Face MoE model (Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, Granite-MoE, DeepSeek-V3 and its kin)
+converted as it is.
 
 Oracles: the Hugging Face model itself (same logits and the same gradients, by parameter, at
 conversion), a single process (ep=2 matches it step for step), and the exported checkpoint
@@ -185,6 +185,27 @@ def test_ernie_4_5_moe_is_adopted_with_its_squeezed_selection_bias():
     result = mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
     assert result.record("import_moe").data["layers"] == ["model.layers.1.mlp"]
     assert "(biased selection)" in result.record("import_moe").decisions[0]
+    torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["granitemoe", "granitemoeshared"])
+def test_granite_moe_is_adopted_with_its_softmax_over_the_top_logits(model_type):
+    """Granite-MoE's router (``router.weight``) takes the top-k of the logits, then a softmax over those k: the top-k
+    of the softmax, renormalised."""
+    import transformers as T
+
+    try:
+        config = T.AutoConfig.for_model(
+            model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
+    except ValueError:
+        pytest.skip(f"this transformers has no {model_type}")
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, VOCAB, (2, 8))
+    result = mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
+    assert len(result.record("import_moe").data["layers"]) == 2
+    assert "top-2 softmax renormalised" in result.record("import_moe").decisions[0]
     torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
 
 
