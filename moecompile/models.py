@@ -81,6 +81,16 @@ MODELS: dict[str, ZooEntry] = {
             routed_scaling_factor=2.5, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=8),
     ),
+    "tiny-ernie4.5-moe": ZooEntry(
+        "ERNIE 4.5 MoE (8 experts top-2 of width 16, softmax scores with a selection bias, fp32 routing, an ungated "
+        "shared expert; layer 0 dense)",
+        _hf("Ernie4_5_MoeConfig", **_TINY, head_dim=8, moe_num_experts=8, moe_k=2, moe_intermediate_size=16,
+            moe_num_shared_experts=1, moe_layer_start_index=1),
+    ),
+    "tiny-granite-moe": ZooEntry(
+        "Granite-MoE (8 experts top-2 of width 16, a softmax over the top-2 router logits, Granite's multipliers)",
+        _hf("GraniteMoeConfig", **{**_TINY, "intermediate_size": 16}, num_local_experts=8, num_experts_per_tok=2),
+    ),
     "small-llama": ZooEntry(
         "Llama, 4 layers, hidden 256, FFN 688, vocab 1024 (for benchmarks)",
         _hf("LlamaConfig", **{**_TINY, "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 688,
