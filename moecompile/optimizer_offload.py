@@ -18,9 +18,9 @@ implementation: torch's default on CUDA (foreach), and on a CPU (the host part, 
 whose device is the CPU) the fused CPU kernel where the optimizer has one and the factory left the
 choice to torch (``fused`` and ``foreach`` unset, not ``capturable``: torch would pick its for-loop
 one for CPU tensors, 2.2x slower at 32 M elements on 2 cores, ``python benchmarks/host_adamw.py``;
-it rounds an ulp apart from it). A factory that sets either keeps its choice on both sides. The host part is the first tensors in parameter order up to the
-plan's share of the elements (:func:`offloaded_count`), whole tensors, so the share reached is at
-least the one asked for.
+it rounds an ulp apart from it). A factory that sets either keeps its choice on both sides. The
+host part is the first tensors in parameter order up to the plan's share of the elements
+(:func:`offloaded_count`), whole tensors, so the share reached is at least the one asked for.
 """
 
 from __future__ import annotations

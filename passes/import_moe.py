@@ -190,7 +190,8 @@ def read_router(nodes: list[fx.Node], fail, weight: str) -> Router:
     if choice.target not in _SCORES:
         late = _softmax_of_top_logits(pick, choice, weight)
         if late is None or bias or groups > 1:
-            fail(f"its top-k picks from {choice.target}, not softmax or sigmoid scores", "moecompile adopts those routers")
+            fail(f"its top-k picks from {choice.target}, not softmax or sigmoid scores",
+                 "moecompile adopts those routers")
         return Router(int(pick.args[1]), "softmax", True, None, 1, 1, _scale_of(late), "model")
     values = next((u for u in pick.users if u.args[1] == 0 and u.users), None)  # the top-k scores (getitem 0)
     indices = next((u for u in pick.users if u.args[1] == 1), None)
@@ -208,7 +209,8 @@ def read_router(nodes: list[fx.Node], fail, weight: str) -> Router:
 
 def _scale_of(weights: fx.Node) -> float:
     """The constant the routing weights are multiplied by (DeepSeek-V3's routed_scaling_factor), else 1."""
-    scaled = next((u for u in weights.users if u.target is aten.mul.Tensor and isinstance(u.args[1], (int, float))), None)
+    scaled = next((u for u in weights.users
+                   if u.target is aten.mul.Tensor and isinstance(u.args[1], (int, float))), None)
     return float(scaled.args[1]) if scaled is not None else 1.0
 
 
@@ -219,7 +221,9 @@ def _softmax_of_top_logits(pick: fx.Node, choice: fx.Node, weight: str) -> fx.No
     if logits.target is not aten.linear.default or getattr(logits.args[1], "target", None) != weight:
         return None
     values = next((u for u in pick.users if u.args[1] == 0), None)
-    return next((u for u in values.users if u.target in _SCORES and _SCORES[u.target] == "softmax"), None) if values else None
+    if values is None:
+        return None
+    return next((u for u in values.users if _SCORES.get(u.target) == "softmax"), None)
 
 
 def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
