@@ -111,6 +111,8 @@ def has_weights(name_or_path: str | Path) -> bool:
 
 # the architectures export_hf writes with DeepSeek-V3's router: sigmoid scores, a selection bias, group-limited, scaled
 GROUPED_SIGMOID_ROUTERS = ("deepseek_v3", "glm4_moe")
+# what a model type's router has that its config has no field for
+ROUTERS = {"ernie4_5_moe": {"expert_bias": True, "router_dtype": "float32"}}  # softmax, its moe_statics bias, in fp32
 
 
 def own_experts(config: Any) -> dict[str, Any]:
@@ -119,7 +121,7 @@ def own_experts(config: Any) -> dict[str, Any]:
     Those layers are adopted as they are (pass ``import_moe``), so the plan must say what they are. Read from the
     config's fields, by what they are rather than by model type: a config with DeepSeek-V3's router fields
     (``n_group``, ``topk_group``, ``routed_scaling_factor``) has its router, sigmoid scores with a selection bias
-    (DeepSeek-V3, GLM-4.5, dots.llm1, Solar Open, EXAONE MoE, MiMo-V2-Flash...); ``ROUTERS`` adds what no field says
+    (DeepSeek-V3, GLM-4.5, Solar Open, EXAONE MoE, MiMo-V2-Flash...); ``ROUTERS`` adds what no field says
     (ERNIE 4.5's selection bias). ``import_moe`` reads the blocks from the traced graph and names any field these
     get wrong.
     """
@@ -139,9 +141,6 @@ def own_experts(config: Any) -> dict[str, Any]:
         fields["shared_experts"] = 1
     return fields | ROUTERS.get(getattr(config, "model_type", None), {})
 
-
-# what a model type's router has that its config has no field for
-ROUTERS = {"ernie4_5_moe": {"expert_bias": True, "router_dtype": "float32"}}  # softmax, its moe_statics bias, in fp32
 
 
 def list_models() -> list[tuple[str, str]]:

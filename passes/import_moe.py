@@ -17,7 +17,7 @@ come from the top-ks that build the mask; a tensor of the block added to the sco
 selection bias (``gate.e_score_correction_bias``, which becomes ``router.expert_bias`` and
 keeps training under ``experts.expert_bias_rate``; ERNIE 4.5 reads its [1, E] bias through a squeeze); the
 weights are the top-k scores or the scores gathered at its indices, maybe renormalised (a ``div``), maybe scaled
-(a ``mul``), or a softmax over the top-k *logits* (Granite-MoE, its router's weight ``router.weight``), which is
+(a ``mul``), or a softmax over the top-k *logits* (Granite-MoE, whose router's weight is ``router.weight``), which is
 the renormalised top-k of the softmax;
 casts of the router GEMM's input and weight to fp32 mean ``router_dtype: float32``.
 A shared expert is Qwen2-MoE's gated GLU or DeepSeek-V3's ungated one.
@@ -51,7 +51,7 @@ aten = torch.ops.aten
 
 # block tensor key -> Hugging Face parameter name under the block's module path
 HF_NAMES = {"router": "gate.weight", "w_in": "experts.gate_up_proj", "w_out": "experts.down_proj"}
-GRANITE_ROUTER = "router.weight"  # Granite-MoE's name for the router's weight
+ROUTER_NAMES = ("gate.weight", "router.weight")  # the router's weight, by name (Granite-MoE: router.weight)
 # the shared experts moecompile's block can be: a GLU beside the routed experts, Qwen2-MoE's behind a
 # per-token sigmoid gate, DeepSeek-V3's (n_shared_experts of them fused into one wide GLU) ungated
 SHARED_LAYOUTS = (
@@ -140,6 +140,11 @@ def find_blocks(gm: fx.GraphModule) -> list[str]:
     return sorted({n.target[: -len(suffix)] for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith(suffix)})
 
 
+def _router_dtype(nodes: list[fx.Node], weight: str) -> str:
+    """The plan's ``router_dtype``: "float32" where the router GEMM reads fp32 casts of its input and weight."""
+    return "float32" if _fp32_router(nodes, weight) else "model"
+
+
 def _fp32_router(nodes: list[fx.Node], weight: str) -> bool:
     """Whether the router GEMM reads its weight through a cast to fp32 (DeepSeek-V3's ``.type(torch.float32)``)."""
     def is_fp32_cast(n: object) -> bool:
@@ -192,7 +197,7 @@ def read_router(nodes: list[fx.Node], fail, weight: str) -> Router:
         if late is None or bias or groups > 1:
             fail(f"its top-k picks from {choice.target}, not softmax or sigmoid scores",
                  "moecompile adopts those routers")
-        return Router(int(pick.args[1]), "softmax", True, None, 1, 1, _scale_of(late), "model")
+        return Router(int(pick.args[1]), "softmax", True, None, 1, 1, _scale_of(late), _router_dtype(nodes, weight))
     values = next((u for u in pick.users if u.args[1] == 0 and u.users), None)  # the top-k scores (getitem 0)
     indices = next((u for u in pick.users if u.args[1] == 1), None)
     gathered = [n for n in nodes if n.target is aten.gather.default and n.args[0] is choice and n.args[2] is indices]
@@ -204,7 +209,7 @@ def read_router(nodes: list[fx.Node], fail, weight: str) -> Router:
         fail(f"its routing weights are the biased scores ({bias} added)", "moecompile weighs by unbiased scores")
     divided = next((n for n in nodes if n.target in _DIV and n.args[0] is weights), None)
     return Router(int(pick.args[1]), _SCORES[choice.target], divided is not None, bias, groups, group_k,
-                  _scale_of(divided or weights), "float32" if _fp32_router(nodes, weight) else "model")
+                  _scale_of(divided or weights), _router_dtype(nodes, weight))
 
 
 def _scale_of(weights: fx.Node) -> float:
@@ -241,8 +246,7 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
 
     attrs = {a.target for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}
     params = {k: f"{layer}.{v}" for k, v in HF_NAMES.items()}
-    if params["router"] not in attrs and f"{layer}.{GRANITE_ROUTER}" in attrs:
-        params["router"] = f"{layer}.{GRANITE_ROUTER}"
+    params["router"] = next((f"{layer}.{n}" for n in ROUTER_NAMES if f"{layer}.{n}" in attrs), params["router"])
     layouts = [{k: f"{layer}.{v}" for k, v in names.items()} for names in SHARED_LAYOUTS]
     shared = next((names for names in layouts if set(names.values()) <= attrs), {})
     if any(n.target in _RANDOM for n in nodes):

@@ -30,11 +30,13 @@ def hf_moe(name: str, **config):
 
 
 def randomise_selection_bias(model) -> None:
-    """A trained-looking DeepSeek-V3 selection bias (it starts at zero), so that it changes the routing."""
+    """A trained-looking selection bias (it starts at zero), so that it changes the routing: DeepSeek-V3's buffer,
+    ERNIE 4.5's frozen parameter."""
     g = torch.Generator().manual_seed(3)
-    for name, b in model.named_buffers():
-        if name.endswith("e_score_correction_bias"):
-            b.copy_(0.1 * torch.randn(b.shape, generator=g))
+    with torch.no_grad():
+        for name, b in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
 def converted(name: str, config: dict | None = None, **experts):
@@ -177,10 +179,7 @@ def test_ernie_4_5_moe_is_adopted_with_its_squeezed_selection_bias():
         pytest.skip("this transformers has no ernie4_5_moe")
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("e_score_correction_bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+    randomise_selection_bias(model)
     ids = torch.randint(0, VOCAB, (2, 8))
     result = mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
     assert result.record("import_moe").data["layers"] == ["model.layers.1.mlp"]
@@ -188,16 +187,16 @@ def test_ernie_4_5_moe_is_adopted_with_its_squeezed_selection_bias():
     torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("model_type", ["granitemoe", "granitemoeshared"])
-def test_granite_moe_is_adopted_with_its_softmax_over_the_top_logits(model_type):
+@pytest.mark.parametrize("model_type, extra", [("granitemoe", {}), ("granitemoeshared", {"shared_intermediate_size": 32})])
+def test_granite_moe_is_adopted_with_its_softmax_over_the_top_logits(model_type, extra):
     """Granite-MoE's router (``router.weight``) takes the top-k of the logits, then a softmax over those k: the top-k
-    of the softmax, renormalised."""
+    of the softmax, renormalised. Granite-MoE-Shared's shared MLP sits beside the block and stays dense."""
     import transformers as T
 
     try:
         config = T.AutoConfig.for_model(
             model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2)
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, **extra)
     except ValueError:
         pytest.skip(f"this transformers has no {model_type}")
     torch.manual_seed(0)

@@ -18,25 +18,10 @@ def test_random_upcycled_zoo_models_keep_their_oracles_under_memory_and_schedule
     assert run("single", 6, seed=5) == []
 
 
+# each kind against its oracle on 4 gloo ranks: training like one process per rank, a checkpoint resumed at another
+# layout, the plan's CUDA-graph runner bitwise on emulated graphs, compile=True like eager
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_random_plans_train_like_one_process_per_rank():
-    assert run("train", 8, seed=191) == []
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_random_checkpoints_resume_at_random_layouts():
-    assert run("resume", 4, seed=1) == []
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_random_plans_replay_their_cuda_graph_runner_bitwise_on_emulated_graphs():
-    assert run("graphs", 3, seed=31) == []
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_random_plans_train_compiled_like_eager():
-    assert run("compile", 3, seed=12) == []
+@pytest.mark.parametrize("kind, n, seed", [("train", 8, 191), ("resume", 4, 1), ("graphs", 3, 31), ("compile", 3, 12)])
+def test_random_plans_keep_their_oracle_on_four_ranks(kind, n, seed):
+    assert run(kind, n, seed=seed) == []
