@@ -187,7 +187,7 @@ def _aten_targets() -> dict[Any, Any]:
         torch._C._nn.linear: aten.linear.default, torch._C._nn.gelu: aten.gelu.default,
         torch._C._nn.silu: aten.silu.default, torch.relu: aten.relu.default, torch.nn.functional.relu: aten.relu.default,
         torch.nn.functional.silu: aten.silu.default, torch.nn.functional.gelu: aten.gelu.default,
-        torch.addmm: aten.addmm.default, torch.tanh: aten.tanh.default,
+        torch.addmm: aten.addmm.default, torch.tanh: aten.tanh.default, torch.square: aten.square.default,
         operator.mul: aten.mul.Tensor, operator.add: aten.add.Tensor, torch.mul: aten.mul.Tensor, torch.add: aten.add.Tensor,
     }
 
@@ -204,6 +204,8 @@ def _symbolic_trace_aten(model: nn.Module) -> fx.GraphModule:
         if node.op == "call_function" and node.target in targets:
             node.target = targets[node.target]
             node.kwargs = {k: v for k, v in node.kwargs.items() if k != "inplace"}
+        elif node.op == "call_method" and node.target in ("relu", "square"):  # x.relu().square(): ReLU squared
+            node.op, node.target = "call_function", getattr(torch.ops.aten, node.target).default
         elif node.op == "call_method" and node.target in ("view", "reshape"):
             node.op, node.target = "call_function", torch.ops.aten.view.default if node.target == "view" else torch.ops.aten.reshape.default
             node.args = (node.args[0], list(node.args[1:]) if not isinstance(node.args[1], (list, tuple)) else list(node.args[1]))

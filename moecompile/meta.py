@@ -56,7 +56,7 @@ class FFNInfo(TypedDict):
     """A dense FFN as find_ffn saw it. Weights are get_attr targets in the GraphModule."""
 
     kind: str  # "glu" (act(x Wg) * (x Wu) -> Wd) or "mlp" (x W1 -> act -> W2)
-    act: str  # "silu" | "gelu" | "gelu_tanh" | "relu"
+    act: str  # "silu" | "gelu" | "gelu_tanh" | "relu"; an "mlp" also "relu2" (ReLU squared)
     input: str  # node name of x
     output: str  # node name of the FFN's result
     nodes: list[str]  # every node of the match (all replaced together)

@@ -91,6 +91,15 @@ MODELS: dict[str, ZooEntry] = {
         "Granite-MoE (8 experts top-2 of width 16, a softmax over the top-2 router logits, Granite's multipliers)",
         _hf("GraniteMoeConfig", **{**_TINY, "intermediate_size": 16}, num_local_experts=8, num_experts_per_tok=2),
     ),
+    "tiny-nemotron-h": ZooEntry(
+        "Nemotron-H (hybrid: Mamba-2, MoE, attention, MoE; 8 ReLU² MLP experts top-2 of width 16, sigmoid scores with "
+        "a selection bias, scaled by 2.5, a ReLU² shared expert)",
+        _hf("NemotronHConfig", **{k: v for k, v in _TINY.items() if k != "num_hidden_layers"}, head_dim=8,
+            layers_block_type=["linear_attention", "moe", "full_attention", "moe"], mamba_num_heads=4,
+            mamba_head_dim=16, n_groups=2, ssm_state_size=16, chunk_size=16, use_mamba_kernels=False,
+            n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=32, routed_scaling_factor=2.5),
+    ),
     "small-llama": ZooEntry(
         "Llama, 4 layers, hidden 256, FFN 688, vocab 1024 (for benchmarks)",
         _hf("LlamaConfig", **{**_TINY, "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 688,

@@ -149,7 +149,7 @@ def resolve_order(extra: Iterable[str | PassFn | PassSpec] = ()) -> list[PassSpe
         elif p in _REGISTRY:
             spec = _REGISTRY[p]
         else:
-            raise PassError(str(p), [], f"no pass of that name is registered; registered: {', '.join(_REGISTRY)}")
+            raise PassError(str(p), [], f"no pass of that name is registered; registered: {', '.join(sorted(_REGISTRY))}")
         if spec.name not in {s.name for s in specs}:
             specs.append(spec)
     names = {s.name for s in specs}

@@ -7,9 +7,11 @@ Nothing in the graph changes; each match is annotated so ``upcycle`` can replace
     [view] -> addmm(b1, ., W1) -> [view] -> gelu_new -> [view] -> addmm -> [view]   kind="mlp"
 
 Patterns are matched with torch.fx's ``SubgraphMatcher`` over the ATen graph: SwiGLU /
-GeGLU / ReGLU (both operand orders), and GELU / tanh-GELU / ReLU / SiLU MLPs, with
+GeGLU / ReGLU (both operand orders), and GELU / tanh-GELU / ReLU / ReLU² / SiLU MLPs, with
 or without biases, as ``linear`` or as GPT-2's ``Conv1D`` (``addmm`` between views).
 The FFN output node gets ``meta["moe"] = {"layer", "role": "ffn", "ffn": FFNInfo}``.
+An FFN inside a model's own MoE block that ``import_moe`` left as it is (``experts.adopt: false``) is
+part of that block, a shared expert, not a dense FFN: it is not reported.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from moecompile.graph import common_module, get_attr_value
 from moecompile.meta import FFNInfo, Role, moe, set_moe
 from moecompile.pass_manager import PassContext, register_pass
 
+from .import_moe import find_blocks
+
 aten = torch.ops.aten
 
 _ACTS: dict[str, Callable] = {
@@ -34,6 +38,7 @@ _ACTS: dict[str, Callable] = {
     "gelu": lambda h: aten.gelu.default(h),
     "gelu_tanh": lambda h: aten.gelu.default(h, approximate="tanh"),
     "relu": lambda h: aten.relu.default(h),
+    "relu2": lambda h: aten.square.default(aten.relu.default(h)),  # Nemotron, Arcee: ReLU squared
     # transformers' NewGELUActivation (GPT-2's "gelu_new"), as export writes it out
     "gelu_tanh_expanded": lambda h: aten.mul.Tensor(
         aten.mul.Tensor(h, 0.5),
@@ -44,6 +49,7 @@ _ACTS: dict[str, Callable] = {
     ),
 }
 _GLU_ACTS = ("silu", "gelu", "gelu_tanh", "relu")
+_MLP_ACTS = ("gelu", "gelu_tanh", "relu", "relu2", "silu", "gelu_tanh_expanded")
 
 
 def _linear(x, w, b):
@@ -89,9 +95,9 @@ def _patterns() -> list[tuple[str, str, bool, fx.GraphModule]]:
         out.append(("glu", act, False, _pattern("glu", act, bias, swap, False)))
     for act, swap in itertools.product(_GLU_ACTS, (False, True)):
         out.append(("glu", act, False, _pattern("glu_fused", act, False, swap, False)))
-    for act, bias in itertools.product(("gelu", "gelu_tanh", "relu", "silu", "gelu_tanh_expanded"), (True, False)):
+    for act, bias in itertools.product(_MLP_ACTS, (True, False)):
         out.append(("mlp", act, False, _pattern("mlp", act, bias, False, False)))
-    for act in ("gelu", "gelu_tanh", "relu", "silu", "gelu_tanh_expanded"):
+    for act in _MLP_ACTS:
         out.append(("mlp", act, True, _pattern("mlp", act, True, False, True)))
     return out
 
@@ -104,6 +110,8 @@ def _bind(pattern: fx.GraphModule, match: InternalMatch) -> dict[str, object]:
 def find_ffn(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     taken: set[fx.Node] = set()
     found = []
+    moe_blocks = find_blocks(gm)  # the model's own MoE blocks still in the graph
+    in_blocks: set[str] = set()
     for kind, act, transposed, pattern in _patterns():
         matcher = SubgraphMatcher(pattern.graph, ignore_literals=False, remove_overlapping_matches=True)
         for match in matcher.match(gm.graph):
@@ -115,6 +123,11 @@ def find_ffn(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if not all(isinstance(v, fx.Node) and v.op == "get_attr" for v in params.values()):
                 continue  # weights computed in the graph: not an FFN we can copy into experts
             taken.update(inner)
+            layer = common_module(inner)
+            block = next((b for b in moe_blocks if layer == b or layer.startswith(b + ".")), None)
+            if block is not None:
+                in_blocks.add(f"{layer} (in {block})")
+                continue
             out = match.returning_nodes[0]
             x = bound["x"]
             w_down = get_attr_value(gm, params["w_down"].target)
@@ -130,21 +143,22 @@ def find_ffn(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 hidden=w_down.shape[1] if transposed else w_down.shape[0],
                 intermediate=w_down.shape[0] if transposed else w_down.shape[1],
             )
-            found.append((out, inner, info))
-    if not found and not any("moe" in moe(n) for n in gm.graph.nodes):  # no FFN, and no MoE block adopted
+            found.append((out, inner, info, layer))
+    if in_blocks:
+        ctx.decide(f"not dense FFNs, part of the model's MoE blocks: {', '.join(sorted(in_blocks))}")
+    if not found and not moe_blocks and not any("moe" in moe(n) for n in gm.graph.nodes):  # no FFN, no MoE block
         raise PassError(
             "find_ffn",
             ctx.passes_run,
             "no FFN in the model matches a known pattern. Looked for: SwiGLU/GeGLU/ReGLU "
-            "(act(x Wg) * (x Wu) -> Wd) and GELU/tanh-GELU/ReLU/SiLU MLPs (x W1 -> act -> W2), with or "
+            "(act(x Wg) * (x Wu) -> Wd) and GELU/tanh-GELU/ReLU/ReLU²/SiLU MLPs (x W1 -> act -> W2), with or "
             "without biases, as linear or addmm (Conv1D). Register a pattern or a custom pass for other FFNs.",
         )
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for index, (out, inner, info) in enumerate(sorted(found, key=lambda t: order[t[0]])):
-        layer = common_module(inner)
+    for index, (out, inner, info, layer) in enumerate(sorted(found, key=lambda t: order[t[0]])):
         for n in inner:
             set_moe(n, layer=layer, role=Role.FFN)
         set_moe(out, ffn=info, ffn_index=index)
         ctx.decide(f"{layer}: {info['kind']} FFN, act={info['act']}, H={info['hidden']}, F={info['intermediate']}")
-    ctx.record(ffns=[moe(out)["layer"] for out, _, _ in found])
+    ctx.record(ffns=[layer for *_, layer in found])
     return gm

@@ -1,11 +1,12 @@
 """Pass ``import_moe``: adopt the MoE blocks a model already has (Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, Granite-MoE,
-DeepSeek-V3 and the models that reuse its router).
+DeepSeek-V3 and the models that reuse its router, Nemotron-H).
 
 Hugging Face's MoE layers (transformers 5) keep their experts fused, in moecompile's own layout::
 
     <layer>.gate.weight              [E, H]       router (softmax / sigmoid -> top-k [-> renormalise])
     <layer>.experts.gate_up_proj     [E, 2F, H]   gate rows first
     <layer>.experts.down_proj        [E, H, F]
+    <layer>.experts.up_proj          [E, F, H]    instead of gate_up_proj: plain MLP experts (Nemotron-H, ReLU²)
 
 Each such block is replaced by moecompile's (the one ``upcycle`` builds), holding the same
 tensors, so expert parallelism, overlap, FP8, recompute, the train step and ``export_hf``
@@ -20,7 +21,7 @@ weights are the top-k scores or the scores gathered at its indices, maybe renorm
 (a ``mul``), or a softmax over the top-k *logits* (Granite-MoE, whose router's weight is ``router.weight``), which is
 the renormalised top-k of the softmax;
 casts of the router GEMM's input and weight to fp32 mean ``router_dtype: float32``.
-A shared expert is Qwen2-MoE's gated GLU or DeepSeek-V3's ungated one.
+A shared expert is Qwen2-MoE's gated GLU or DeepSeek-V3's ungated one, or, beside plain MLP experts, an MLP.
 
 The plan describes the experts the model has: ``experts.num_experts``, ``top_k``, ``score``,
 ``normalize``, ``shared_experts``, ``route_groups``, ``route_group_top_k``, ``route_scale``
@@ -45,12 +46,13 @@ from moecompile.graph import ancestors_within, clean_path, delete_unused_attrs, 
 from moecompile.pass_manager import PassContext, register_pass
 from moecompile.plan import ExpertsConfig
 
-from .upcycle import insert_block, moe_block, register_block
+from .upcycle import GLU_ACTS, MLP_ACTS, insert_block, moe_block, register_block
 
 aten = torch.ops.aten
 
 # block tensor key -> Hugging Face parameter name under the block's module path
 HF_NAMES = {"router": "gate.weight", "w_in": "experts.gate_up_proj", "w_out": "experts.down_proj"}
+EXPERT_INPUTS = {"experts.gate_up_proj": True, "experts.up_proj": False}  # fused experts' first GEMM -> gated
 ROUTER_NAMES = ("gate.weight", "router.weight")  # the router's weight, by name (Granite-MoE: router.weight)
 # the shared experts moecompile's block can be: a GLU beside the routed experts, Qwen2-MoE's behind a
 # per-token sigmoid gate, DeepSeek-V3's (n_shared_experts of them fused into one wide GLU) ungated
@@ -59,6 +61,7 @@ SHARED_LAYOUTS = (
      "down": "shared_expert.down_proj.weight", "shared_gate": "shared_expert_gate.weight"},
     {"gate": "shared_experts.gate_proj.weight", "up": "shared_experts.up_proj.weight",
      "down": "shared_experts.down_proj.weight"},
+    {"up": "shared_experts.up_proj.weight", "down": "shared_experts.down_proj.weight"},  # an MLP (Nemotron-H)
 )
 _ACTS = {aten.silu.default: "silu", aten.relu.default: "relu", aten.gelu.default: "gelu"}
 _SCORES = {aten.softmax.int: "softmax", aten._softmax.default: "softmax", aten.sigmoid.default: "sigmoid"}
@@ -99,6 +102,7 @@ class ExistingBlock:
     num_experts: int
     router: Router
     act: str
+    glu: bool  # gated experts (act(x Wg) * x Wu), else plain MLPs (act(x Wu))
 
     def plan_fields(self) -> dict[str, object]:
         """The ``experts`` plan fields this block fixes, as the model has them."""
@@ -118,16 +122,17 @@ class ExistingBlock:
         weights += f" x{r.route_scale:g}" if r.route_scale != 1 else ""
         shared = " + a shared expert" if self.shared else ""
         shared = " + a gated shared expert" if "shared_gate" in self.shared else shared
-        return f"{self.num_experts} experts top-{r.top_k}{groups} {r.score}{bias} {weights} {self.act} GLUs{shared}"
+        kind = "GLUs" if self.glu else "MLPs"
+        return f"{self.num_experts} experts top-{r.top_k}{groups} {r.score}{bias} {weights} {self.act} {kind}{shared}"
 
     def tensors(self, gm: fx.GraphModule) -> dict[str, torch.Tensor]:
-        """The block's tensors by moecompile's keys (the shared GLU's gate and up fused, as the experts')."""
+        """The block's tensors by moecompile's keys (a shared GLU's gate and up fused, as the experts')."""
         out = {k: get_attr_value(gm, n) for k, n in self.params.items()}
         if self.router.bias:
             out["bias"] = get_attr_value(gm, self.router.bias).reshape(-1)  # [E], from [1, E] too
         if self.shared:
             w = {k: get_attr_value(gm, n) for k, n in self.shared.items()}
-            out["shared_w_in"] = torch.cat([w["gate"], w["up"]])[None]  # [1, 2Fs, H]
+            out["shared_w_in"] = (torch.cat([w["gate"], w["up"]]) if self.glu else w["up"])[None]  # [1, (2)Fs, H]
             out["shared_w_out"] = w["down"][None]  # [1, H, Fs]
             if "shared_gate" in w:
                 out["shared_gate"] = w["shared_gate"]  # [1, H]
@@ -136,8 +141,8 @@ class ExistingBlock:
 
 def find_blocks(gm: fx.GraphModule) -> list[str]:
     """The module path of every block whose fused expert tensors sit under it."""
-    suffix = "." + HF_NAMES["w_in"]
-    return sorted({n.target[: -len(suffix)] for n in gm.graph.nodes if n.op == "get_attr" and n.target.endswith(suffix)})
+    return sorted({n.target[: -len(name) - 1] for n in gm.graph.nodes for name in EXPERT_INPUTS
+                   if n.op == "get_attr" and n.target.endswith("." + name)})
 
 
 def _router_dtype(nodes: list[fx.Node], weight: str) -> str:
@@ -245,10 +250,16 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
                              "model's MoE blocks as they are)")
 
     attrs = {a.target for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}
+    glu = f"{layer}.{HF_NAMES['w_in']}" in attrs
     params = {k: f"{layer}.{v}" for k, v in HF_NAMES.items()}
+    if not glu:
+        params["w_in"] = f"{layer}.experts.up_proj"
     params["router"] = next((f"{layer}.{n}" for n in ROUTER_NAMES if f"{layer}.{n}" in attrs), params["router"])
     layouts = [{k: f"{layer}.{v}" for k, v in names.items()} for names in SHARED_LAYOUTS]
     shared = next((names for names in layouts if set(names.values()) <= attrs), {})
+    if shared and ("gate" in shared) != glu:
+        fail("its shared expert is " + ("an MLP beside GLU experts" if glu else "a GLU beside MLP experts"),
+             "moecompile's shared experts are of the routed experts' kind")
     if any(n.target in _RANDOM for n in nodes):
         fail("it draws random numbers (router jitter noise)", "set config.router_jitter_noise = 0 before tracing")
     router = read_router(nodes, fail, params["router"])
@@ -256,7 +267,7 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
     if extra:
         fail(f"it reads {', '.join(extra)} beside the router, its selection bias, the experts and a shared GLU "
              "(expert biases, another shared expert, a bias used elsewhere than in the selection)",
-             "moecompile adopts blocks of a router, fused GLU experts and at most one shared GLU")
+             "moecompile adopts blocks of a router, fused experts and at most one shared expert of their kind")
     tensors = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
                                  if a not in inside and a.op != "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)))
     if len(tensors) != 1:
@@ -266,23 +277,39 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
     if len(outs) != 1:
         fail(f"{len(outs)} of its values are used outside it (router logits returned too?)",
              "set config.output_router_logits = False: moecompile computes the router losses the plan asks for")
-    acts = [n for n in nodes if n.target in _ACTS]
-    if len({(a.target, a.kwargs.get("approximate"), a.args[1:]) for a in acts}) != 1:
-        fail("its expert activation is not one silu / gelu / relu", "moecompile's experts are GLUs of one of those")
-    act = _ACTS[acts[0].target]
-    if act == "gelu" and ("tanh" in acts[0].args[1:] or acts[0].kwargs.get("approximate") == "tanh"):
-        act = "gelu_tanh"
+    act = _expert_act(nodes)
+    if act is None or act not in (GLU_ACTS if glu else MLP_ACTS):
+        fail("its expert activation is not one " + " / ".join(GLU_ACTS if glu else MLP_ACTS),
+             f"moecompile's {'GLU' if glu else 'MLP'} experts use one of those")
     w_in, w_out = (get_attr_value(gm, params[k]) for k in ("w_in", "w_out"))
-    if w_in.dim() != 3 or w_out.dim() != 3 or w_in.shape[1] != 2 * w_out.shape[2]:
-        fail(f"its experts are {tuple(w_in.shape)} and {tuple(w_out.shape)}, not gated [E, 2F, H] / [E, H, F]",
-             "moecompile adopts fused GLU experts")
+    if w_in.dim() != 3 or w_out.dim() != 3 or w_in.shape[1] != (2 if glu else 1) * w_out.shape[2]:
+        layout = "gated [E, 2F, H]" if glu else "[E, F, H]"
+        fail(f"its experts are {tuple(w_in.shape)} and {tuple(w_out.shape)}, not {layout} / [E, H, F]",
+             "moecompile adopts fused experts of that layout")
     # a dynamic trace's sizes computed here and reused after: they stay, with what they are computed from
     sizes = [n for n in used_outside if n not in outs]
     shapes = set(sizes) | ancestors_within(sizes, inside)
     if any(a.op == "get_attr" for n in shapes for a in n.all_input_nodes):
         fail("sizes it computes from its weights are used outside it", "moecompile adopts self-contained blocks")
     return ExistingBlock(layer, kind, [n for n in nodes if n not in shapes], tensors[0], outs[0], params, shared,
-                         int(w_in.shape[0]), router, act)
+                         int(w_in.shape[0]), router, act, glu)
+
+
+
+def _expert_act(nodes: list[fx.Node]) -> str | None:
+    """The one activation the block's experts (and shared expert) apply, by the name find_ffn gives it; else None.
+
+    A relu whose every use squares it is ReLU² ("relu2"); a gelu's ``approximate`` tells "gelu_tanh"."""
+    acts = [n for n in nodes if n.target in _ACTS]
+    if len({(a.target, a.kwargs.get("approximate"), a.args[1:]) for a in acts}) != 1:
+        return None
+    act = _ACTS[acts[0].target]
+    if act == "gelu" and ("tanh" in acts[0].args[1:] or acts[0].kwargs.get("approximate") == "tanh"):
+        return "gelu_tanh"
+    squared = [all(u.target is aten.square.default for u in a.users) for a in acts]
+    if act == "relu" and any(squared):
+        return "relu2" if all(squared) else None
+    return act
 
 
 def check_plan(cfg: ExpertsConfig, block: ExistingBlock) -> None:
@@ -326,7 +353,7 @@ def check_reproduces(gm: fx.GraphModule, cfg: ExpertsConfig, block: ExistingBloc
     if cfg.expert_bias and "bias" not in tensors:  # a bias the plan adds starts at zero
         tensors["bias"] = torch.zeros(cfg.num_experts, device=x.device)
     with torch.no_grad():
-        got, _ = moe_block(cfg, block.act, True, 0, weights_at=where)(x, **tensors)
+        got, _ = moe_block(cfg, block.act, block.glu, 0, weights_at=where)(x, **tensors)
     error = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))
     tolerance = 1e-4 if want.dtype == torch.float32 else 3e-2
     if not error <= tolerance:
@@ -353,13 +380,14 @@ def import_moe(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     recorded = block_io(gm, ctx.example_inputs, blocks) if blocks and not on_meta else {}
     traced: dict = {}  # layers alike share one traced block
     for block in blocks:
-        where = "combine" if cfg.apply_weights == "combine" else "activation"  # GLUs without a bias: either
+        # GLUs without a bias: either place; an MLP's weights do not commute with its activation
+        where = "combine" if cfg.apply_weights == "combine" or not block.glu else "activation"
         check = "not checked (meta tensors)"
         if not on_meta:
             error = check_reproduces(gm, cfg, block, where, recorded[block.x], recorded[block.out])
             check = f"reproduces it to {error:.1e}"
-        params = register_block(gm, block.layer, block.tensors(gm), True, cfg)
-        capacity = insert_block(gm, ctx, block.out, block.x, block.layer, params, block.act, True, where, traced)
+        params = register_block(gm, block.layer, block.tensors(gm), block.glu, cfg)
+        capacity = insert_block(gm, ctx, block.out, block.x, block.layer, params, block.act, block.glu, where, traced)
         hf_names = block.hf_names()
         hf_attrs = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target in hf_names]
         for n in [*reversed(block.nodes), *hf_attrs]:  # users before what they use

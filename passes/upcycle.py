@@ -39,6 +39,7 @@ from torch.fx.traceback import annotate
 
 import moecompile.kernels  # noqa: F401  (registers torch.ops.moecompile.*)
 from moecompile.kernels import row_weights
+from moecompile.kernels.glu import ACTS as GLU_ACTS
 from moecompile.distributed import ALL_REDUCE, wait_tensor
 from moecompile.errors import PlanError
 from moecompile.graph import add_parameter, clean_path, delete_unused_attrs, get_attr_value, inline, trace_block
@@ -120,7 +121,8 @@ _PARAM_NAMES = {
     True: {"w_in": "experts.w_gate_up", "w_out": "experts.w_down", "b_in": "experts.b_gate_up", "b_out": "experts.b_down"},
     False: {"w_in": "experts.w_up", "w_out": "experts.w_down", "b_in": "experts.b_up", "b_out": "experts.b_down"},
 }
-_ACT = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu}
+MLP_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu,
+        "relu2": lambda h: F.relu(h).square()}
 
 
 def register_block(gm: fx.GraphModule, layer: str, tensors: dict[str, torch.Tensor], glu: bool,
@@ -176,7 +178,7 @@ def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, load_group
         with annotate({"role": "experts"}):
             h = mc.grouped_mm(x, w_in, sizes, b_in)
         with annotate({"role": "expert_act"}):
-            h = mc.glu(h, act, w_N) if glu else _ACT[act](h)
+            h = mc.glu(h, act, w_N) if glu else MLP_ACTS[act](h)
         with annotate({"role": "experts"}):
             return mc.grouped_mm(h, w_out, sizes, b_out)
 
@@ -226,7 +228,7 @@ def _shared_mlp(x_TH, w_in_SIH, w_out_SHF, b_in, b_out, act: str, glu: bool):
     S, I, H = w_in_SIH.shape
     h = F.linear(x_TH, w_in_SIH.reshape(S * I, H), None if b_in is None else b_in.reshape(-1))
     h = h.view(-1, S, I)
-    h = mc.glu(h, act) if glu else _ACT[act](h)
+    h = mc.glu(h, act) if glu else MLP_ACTS[act](h)
     w_out = w_out_SHF.permute(1, 0, 2).reshape(H, -1)
     return F.linear(h.reshape(h.shape[0], -1), w_out, None if b_out is None else b_out.sum(0))
 

@@ -32,6 +32,9 @@ def tiny_hf(family: str, layers: int = 2) -> torch.nn.Module:
         return T.GemmaForCausalLM(T.GemmaConfig(head_dim=8, **common))
     if family == "phi3":
         return T.Phi3ForCausalLM(T.Phi3Config(pad_token_id=0, **common))
+    if family in ("arcee", "nemotron"):  # plain MLPs with ReLU squared
+        kind = T.ArceeForCausalLM if family == "arcee" else T.NemotronForCausalLM
+        return kind(kind.config_class(head_dim=8, bos_token_id=0, eos_token_id=0, **common))
     if family == "gpt2":
         return T.GPT2LMHeadModel(T.GPT2Config(n_embd=32, n_head=4, n_layer=layers, vocab_size=VOCAB, n_positions=32,
                                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

@@ -1,5 +1,5 @@
-"""import_moe: a Hugging Face MoE model (Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, Granite-MoE, DeepSeek-V3 and its kin)
-converted as it is.
+"""import_moe: a Hugging Face MoE model (Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, Granite-MoE, DeepSeek-V3 and its kin,
+Nemotron-H) converted as it is.
 
 Oracles: the Hugging Face model itself (same logits and the same gradients, by parameter, at
 conversion), a single process (ep=2 matches it step for step), and the exported checkpoint
@@ -208,6 +208,41 @@ def test_granite_moe_is_adopted_with_its_softmax_over_the_top_logits(model_type,
     torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
 
 
+# Nemotron-H's names -> moecompile's: plain MLP experts and shared expert, nothing fused
+NEMOTRON_RENAMES = {"gate.weight": "router.weight", "experts.up_proj": "experts.w_up", "experts.down_proj": "experts.w_down",
+                    "shared_experts.up_proj.weight": "shared_experts.w_up", "shared_experts.down_proj.weight":
+                    "shared_experts.w_down"}
+
+
+def test_nemotron_h_is_adopted_with_its_relu2_mlp_experts_and_gives_its_logits_and_gradients():
+    """Nemotron-H (Mamba-2, attention and MoE layers): ReLU² MLP experts, not GLUs, beside a ReLU² shared MLP, routed
+    like DeepSeek-V3 (sigmoid, selection bias, scaled). Before, its blocks went unseen and upcycle made an MoE of the
+    shared expert inside each."""
+    model, ids, result = converted("tiny-nemotron-h")
+    assert result.record("import_moe").data["layers"] == ["model.layers.1.mixer", "model.layers.3.mixer"]
+    assert "relu2 MLPs + a shared expert" in result.record("import_moe").decisions[0]
+    assert not result.record("find_ffn").data["ffns"]
+    names = dict(result.module.named_parameters())
+    got, want = result.module(ids).logits, model(ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    lm_loss(got, ids).backward()
+    lm_loss(want, ids).backward()
+    for hf_name, p in model.named_parameters():
+        ours = next((hf_name[: -len(old)] + new for old, new in NEMOTRON_RENAMES.items() if hf_name.endswith(old)),
+                    hf_name)
+        ours_grad = names[ours].grad.reshape(p.shape)  # a shared expert is expert 0 of one: [1, F, H]
+        torch.testing.assert_close(ours_grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=hf_name: f"{n}: {m}")
+    assert len(names) == len(dict(model.named_parameters()))
+
+
+def test_adopt_false_leaves_a_shared_expert_inside_the_models_block_alone():
+    """A shared expert is part of the model's MoE block, not a dense FFN to upcycle."""
+    model, ids, result = converted("tiny-qwen2-moe", adopt=False)
+    assert not result.record("find_ffn").data["ffns"] and not result.record("upcycle").data["layers"]
+    assert "model.layers.0.mlp.shared_expert (in model.layers.0.mlp)" in result.record("find_ffn").decisions[0]
+    torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
 def test_olmoe_is_adopted_too():
     import transformers as T
 
@@ -339,7 +374,8 @@ def test_a_deepseek_v3_with_an_upcycled_dense_layer_does_not_export_as_one(tmp_p
 
 
 def ep2_adopted(rank: int, world_size: int) -> dict[str, list[dict]]:
-    return {name: ep2_steps(rank, world_size, name) for name in ("tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-v3")}
+    return {name: ep2_steps(rank, world_size, name)
+            for name in ("tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-v3", "tiny-nemotron-h")}
 
 
 def ep2_steps(rank: int, world_size: int, name: str) -> list[dict]:
@@ -377,7 +413,7 @@ def ep2_steps(rank: int, world_size: int, name: str) -> list[dict]:
 
 
 @pytest.mark.distributed
-def test_adopted_mixtral_qwen2_moe_and_deepseek_v3_train_with_ep2_like_one_process():
+def test_adopted_mixtral_qwen2_moe_deepseek_v3_and_nemotron_h_train_with_ep2_like_one_process():
     for by_model in spawn(ep2_adopted, 2, timeout=300):
         for name, steps in by_model.items():
             for s in steps:

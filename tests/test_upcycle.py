@@ -14,7 +14,7 @@ from moecompile.meta import nodes_with_role
 
 from conftest import tiny_hf
 
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "arcee", "nemotron"]
 
 
 def plan(E=8, k=2, G=1, S=0, **extra):
@@ -106,6 +106,11 @@ class PlainMLP(nn.Module):
         return x + self.fc2(self.act(self.fc1(self.norm(x))))
 
 
+class ReLUSquared(nn.Module):
+    def forward(self, x):
+        return torch.relu(x).square()
+
+
 class PlainGLU(nn.Module):
     def __init__(self, H=24, F=40):
         super().__init__()
@@ -117,8 +122,8 @@ class PlainGLU(nn.Module):
 
 @pytest.mark.parametrize("module", [
     PlainMLP(nn.GELU(), True), PlainMLP(nn.ReLU(), False), PlainMLP(nn.SiLU(), True),
-    PlainMLP(nn.GELU(approximate="tanh"), True), PlainGLU(),
-], ids=["gelu-bias", "relu", "silu-bias", "gelu_tanh", "geglu-bias"])
+    PlainMLP(nn.GELU(approximate="tanh"), True), PlainMLP(ReLUSquared(), True), PlainGLU(),
+], ids=["gelu-bias", "relu", "silu-bias", "gelu_tanh", "relu2-bias", "geglu-bias"])
 @pytest.mark.parametrize("G,S", [(1, 0), (2, 1)])
 def test_plain_modules_identical_at_init(module, G, S):
     torch.manual_seed(0)
@@ -297,8 +302,8 @@ def test_a_call_at_another_shape_names_the_input_and_the_traced_shape(llama, ids
             result.module(bad)  # (dynamic=True graphs take other shapes: test_dynamic_shapes_accept_...)
 
 
-@pytest.mark.parametrize("module", [PlainMLP(nn.GELU(), True), PlainMLP(nn.SiLU(), False), PlainGLU()],
-                         ids=["gelu-bias", "silu", "geglu-bias"])
+@pytest.mark.parametrize("module", [PlainMLP(nn.GELU(), True), PlainMLP(nn.SiLU(), False), PlainMLP(ReLUSquared(), True),
+                                    PlainGLU()], ids=["gelu-bias", "silu", "relu2-bias", "geglu-bias"])
 def test_symbolic_trace_frontend_speaks_the_same_ops(module):
     x = torch.randn(3, 5, 24)
     result = mc.convert(module, plan(E=4, k=2, G=2), (x,), trace_method="symbolic_trace")
