@@ -8,7 +8,9 @@ and the other backward passes as ops of their own (route_backward,
 permute_backward, unpermute_backward, glu_backward), so a traced backward
 holds one node per kernel. Options: `permute(..., align=a)` pads each expert's
 group to a multiple of a rows; `glu(h, act, weight_N)` multiplies each row's
-routing weight in (then combine with unpermute(..., weighted=False)).
+routing weight in (then combine with unpermute(..., weighted=False)), and
+`glu(h, act, weight_N, weight_input=True)` scales the rows by it before the
+activation, as experts whose input rows were weighted compute (Llama 4).
 
 FP8 (forward-only building blocks for the FP8 pass; recipes and scale layouts
 in kernels/fp8_quantize.py and kernels/grouped_mm_fp8.py):

@@ -11,6 +11,13 @@ With `weight_N` (each permuted row's routing weight, 0 for padding rows) the
 op multiplies it in, so the combine can sum unweighted (unpermute with ones):
 
     out_NF = silu(gate_NF) * up_NF * weight_N[:, None]      grad reaches weight_N too
+
+With ``weight_input`` the weight scales the rows before the activation instead, as an expert
+whose *input* was weighted computes it (Llama 4: x * w goes into the first GEMM, which is linear):
+
+    out_NF = silu(w * gate_NF) * (w * up_NF)                 w = weight_N[:, None]
+
+Both backends run that as glu(w * h): the scaling is this module's, not each kernel's.
 """
 from typing import Optional
 
@@ -64,21 +71,35 @@ def glu_ref(h_NF2: Tensor, act: str, weight_N: Optional[Tensor] = None) -> Tenso
     return out_NF if weight_N is None else out_NF.mul_(weight_N.to(out_NF.dtype).unsqueeze(-1))
 
 
+def _scaled_rows(h_NF2: Tensor, weight_N: Tensor) -> Tensor:
+    """w * h, row by row: the input-weighted GLU's pre-activation."""
+    return h_NF2 * weight_N.to(h_NF2.dtype).unsqueeze(-1)
+
+
+def _check_weight_input(weight_N: Optional[Tensor], weight_input: bool) -> None:
+    if weight_input and weight_N is None:
+        raise ValueError("glu: weight_input=True scales the rows by weight_N; pass weight_N")
+
+
 @library.op("moecompile::glu")
-def _glu_op(h_NF2: Tensor, act: str, weight_N: Optional[Tensor] = None) -> Tensor:
+def _glu_op(h_NF2: Tensor, act: str, weight_N: Optional[Tensor] = None, weight_input: bool = False) -> Tensor:
+    _check_weight_input(weight_N, weight_input)
+    if weight_input:
+        h_NF2, weight_N = _scaled_rows(h_NF2, weight_N), None
     return backend.implementation("glu", h_NF2.device)(h_NF2, act, weight_N)
 
 
 @_glu_op.register_fake
-def _glu_fake(h_NF2, act, weight_N=None):
+def _glu_fake(h_NF2, act, weight_N=None, weight_input=False):
     _check(h_NF2, act, weight_N)
+    _check_weight_input(weight_N, weight_input)
     return h_NF2.new_empty((*h_NF2.shape[:-1], h_NF2.shape[-1] // 2))
 
 
 def _setup_context(ctx, inputs, output):
-    h_NF2, act, weight_N = inputs
+    h_NF2, act, weight_N, weight_input = inputs
     ctx.save_for_backward(h_NF2, weight_N)
-    ctx.act = act
+    ctx.act, ctx.weight_input = act, weight_input
 
 
 def glu_backward(grad_NF: Tensor, h_NF2: Tensor, act: str) -> Tensor:
@@ -118,21 +139,29 @@ def glu_backward_ref(
 
 @library.op("moecompile::glu_backward")
 def _glu_backward_op(
-    grad_NF: Tensor, h_NF2: Tensor, act: str, weight_N: Optional[Tensor]
+    grad_NF: Tensor, h_NF2: Tensor, act: str, weight_N: Optional[Tensor], weight_input: bool = False
 ) -> tuple[Tensor, Tensor]:
-    return backend.implementation("glu_backward", h_NF2.device)(grad_NF, h_NF2, act, weight_N)
+    """(grad_h, grad_weight). With ``weight_input``: d(w h) from the unweighted backward at w h, then
+    grad_h = w * d(w h) and grad_w = <d(w h), h>."""
+    implementation = backend.implementation("glu_backward", h_NF2.device)
+    if not weight_input:
+        return implementation(grad_NF, h_NF2, act, weight_N)
+    grad_scaled, _ = implementation(grad_NF, _scaled_rows(h_NF2, weight_N), act, None)
+    grad_w_N = row_dot(grad_scaled, h_NF2, torch.promote_types(h_NF2.dtype, torch.float32))
+    return _scaled_rows(grad_scaled, weight_N), grad_w_N.to(weight_N.dtype)
 
 
 @_glu_backward_op.register_fake
-def _glu_backward_fake(grad_NF, h_NF2, act, weight_N):
+def _glu_backward_fake(grad_NF, h_NF2, act, weight_N, weight_input=False):
     grad_h = h_NF2.new_empty(h_NF2.shape, dtype=torch.promote_types(grad_NF.dtype, h_NF2.dtype))
     return grad_h, h_NF2.new_empty((0,)) if weight_N is None else weight_N.new_empty(weight_N.shape)
 
 
 def _backward(ctx, grad_NF):
     h_NF2, weight_N = ctx.saved_tensors
-    grad_h, grad_w = torch.ops.moecompile.glu_backward(grad_NF.contiguous(), h_NF2, ctx.act, weight_N)
-    return grad_h, None, None if weight_N is None else grad_w
+    grad_h, grad_w = torch.ops.moecompile.glu_backward(grad_NF.contiguous(), h_NF2, ctx.act, weight_N,
+                                                       ctx.weight_input)
+    return grad_h, None, None if weight_N is None else grad_w, None
 
 
 _glu_op.register_autograd(_backward, setup_context=_setup_context)
@@ -140,6 +169,7 @@ backend.register("glu", glu_ref, triton="glu_triton:glu_triton")
 backend.register("glu_backward", glu_backward_ref, triton="glu_triton:glu_backward_triton")
 
 
-def glu(h_NF2: Tensor, act: str = "silu", weight_N: Optional[Tensor] = None) -> Tensor:
-    """act(h[..., :F]) * h[..., F:] (* weight_N[..., None]) for act in silu | gelu | gelu_tanh | relu."""
-    return torch.ops.moecompile.glu(h_NF2, act, weight_N)
+def glu(h_NF2: Tensor, act: str = "silu", weight_N: Optional[Tensor] = None, weight_input: bool = False) -> Tensor:
+    """act(h[..., :F]) * h[..., F:] (* weight_N[..., None]) for act in silu | gelu | gelu_tanh | relu;
+    ``weight_input``: act(w h[..., :F]) * (w h[..., F:]), the rows weighted before the activation."""
+    return torch.ops.moecompile.glu(h_NF2, act, weight_N, weight_input)

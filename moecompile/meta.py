@@ -79,7 +79,9 @@ class MoEInfo(TypedDict):
     params: dict[str, str]  # "router", "w_in", "w_out", optional "b_in", "b_out", "bias", "shared_w_in", ...
     nodes: dict[str, str]  # role -> node name of the block's key nodes (route, permute, experts_in, ...)
     expert_range: tuple[int, int]  # global expert ids held by this rank [lo, hi)
-    weights_at: str  # "activation" (glu multiplies each row's routing weight in) or "combine" (unpermute does)
+    # "activation" (glu multiplies each row's routing weight in), "combine" (unpermute does) or "input" (glu scales
+    # the rows by it before the activation: the experts' input was weighted)
+    weights_at: str
     slices: NotRequired[int]  # parallel.etp: each expert cut into this many slice-experts (num_experts counts them)
 
 

@@ -100,6 +100,12 @@ MODELS: dict[str, ZooEntry] = {
             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
             moe_shared_expert_intermediate_size=32, routed_scaling_factor=2.5),
     ),
+    "tiny-llama4": ZooEntry(
+        "Llama 4 (4 experts top-1 of width 16: a sigmoid of the top logit weighs the expert's input, a shared "
+        "expert; layer 0 dense)",
+        _hf("Llama4TextConfig", **{**_TINY, "intermediate_size": 16}, head_dim=8, intermediate_size_mlp=64,
+            num_local_experts=4, num_experts_per_tok=1, moe_layers=[1]),
+    ),
     "small-llama": ZooEntry(
         "Llama, 4 layers, hidden 256, FFN 688, vocab 1024 (for benchmarks)",
         _hf("LlamaConfig", **{**_TINY, "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 688,
@@ -121,7 +127,10 @@ def has_weights(name_or_path: str | Path) -> bool:
 # the architectures export_hf writes with DeepSeek-V3's router: sigmoid scores, a selection bias, group-limited, scaled
 GROUPED_SIGMOID_ROUTERS = ("deepseek_v3", "glm4_moe")
 # what a model type's router has that its config has no field for
-ROUTERS = {"ernie4_5_moe": {"expert_bias": True, "router_dtype": "float32"}}  # softmax, its moe_statics bias, in fp32
+ROUTERS = {
+    "ernie4_5_moe": {"expert_bias": True, "router_dtype": "float32"},  # softmax, its moe_statics bias, in fp32
+    "llama4_text": {"score": "sigmoid", "normalize": False, "shared_experts": 1},  # and its shared expert, always
+}
 
 
 def own_experts(config: Any) -> dict[str, Any]:

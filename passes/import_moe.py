@@ -1,5 +1,5 @@
 """Pass ``import_moe``: adopt the MoE blocks a model already has (Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, Granite-MoE,
-DeepSeek-V3 and the models that reuse its router, Nemotron-H).
+DeepSeek-V3 and the models that reuse its router, Nemotron-H, Llama 4).
 
 Hugging Face's MoE layers (transformers 5) keep their experts fused, in moecompile's own layout::
 
@@ -7,6 +7,8 @@ Hugging Face's MoE layers (transformers 5) keep their experts fused, in moecompi
     <layer>.experts.gate_up_proj     [E, 2F, H]   gate rows first
     <layer>.experts.down_proj        [E, H, F]
     <layer>.experts.up_proj          [E, F, H]    instead of gate_up_proj: plain MLP experts (Nemotron-H, ReLU²)
+
+or transposed, [E, H, 2F] / [E, F, H] (Llama 4's, read by ``bmm``), which the adopted block holds in its layout.
 
 Each such block is replaced by moecompile's (the one ``upcycle`` builds), holding the same
 tensors, so expert parallelism, overlap, FP8, recompute, the train step and ``export_hf``
@@ -19,7 +21,9 @@ selection bias (``gate.e_score_correction_bias``, which becomes ``router.expert_
 keeps training under ``experts.expert_bias_rate``; ERNIE 4.5 reads its [1, E] bias through a squeeze); the
 weights are the top-k scores or the scores gathered at its indices, maybe renormalised (a ``div``), maybe scaled
 (a ``mul``), or a softmax over the top-k *logits* (Granite-MoE, whose router's weight is ``router.weight``), which is
-the renormalised top-k of the softmax;
+the renormalised top-k of the softmax, or a sigmoid of them (Llama 4), the unnormalised top-k of the sigmoid;
+routing weights that reach the experts' first GEMM through its input rows weight the input (Llama 4), which the
+adopted block's glu does before its activation (``weights_at: "input"``);
 casts of the router GEMM's input and weight to fp32 mean ``router_dtype: float32``.
 A shared expert is Qwen2-MoE's gated GLU or DeepSeek-V3's ungated one, or, beside plain MLP experts, an MLP.
 
@@ -36,6 +40,7 @@ FFNs stay dense unless ``experts.layers`` names them (``upcycle``).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.fx as fx
@@ -62,6 +67,8 @@ SHARED_LAYOUTS = (
     {"gate": "shared_experts.gate_proj.weight", "up": "shared_experts.up_proj.weight",
      "down": "shared_experts.down_proj.weight"},
     {"up": "shared_experts.up_proj.weight", "down": "shared_experts.down_proj.weight"},  # an MLP (Nemotron-H)
+    {"gate": "shared_expert.gate_proj.weight", "up": "shared_expert.up_proj.weight",  # Llama 4's, ungated
+     "down": "shared_expert.down_proj.weight"},
 )
 _ACTS = {aten.silu.default: "silu", aten.relu.default: "relu", aten.gelu.default: "gelu"}
 _SCORES = {aten.softmax.int: "softmax", aten._softmax.default: "softmax", aten.sigmoid.default: "sigmoid"}
@@ -103,6 +110,8 @@ class ExistingBlock:
     router: Router
     act: str
     glu: bool  # gated experts (act(x Wg) * x Wu), else plain MLPs (act(x Wu))
+    transposed: bool = False  # experts stored [E, H, (2)F] / [E, F, H] (Llama 4)
+    weights_input: bool = False  # the routing weights scale the experts' input rows (Llama 4)
 
     def plan_fields(self) -> dict[str, object]:
         """The ``experts`` plan fields this block fixes, as the model has them."""
@@ -123,11 +132,14 @@ class ExistingBlock:
         shared = " + a shared expert" if self.shared else ""
         shared = " + a gated shared expert" if "shared_gate" in self.shared else shared
         kind = "GLUs" if self.glu else "MLPs"
+        kind += " weighted at their input" if self.weights_input else ""
         return f"{self.num_experts} experts top-{r.top_k}{groups} {r.score}{bias} {weights} {self.act} {kind}{shared}"
 
     def tensors(self, gm: fx.GraphModule) -> dict[str, torch.Tensor]:
         """The block's tensors by moecompile's keys (a shared GLU's gate and up fused, as the experts')."""
         out = {k: get_attr_value(gm, n) for k, n in self.params.items()}
+        if self.transposed:
+            out |= {k: out[k].transpose(1, 2).contiguous() for k in ("w_in", "w_out")}
         if self.router.bias:
             out["bias"] = get_attr_value(gm, self.router.bias).reshape(-1)  # [E], from [1, E] too
         if self.shared:
@@ -162,6 +174,8 @@ def _fp32_router(nodes: list[fx.Node], weight: str) -> bool:
 
 
 _RESHAPES = {aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.view.default, aten.reshape.default}
+_VIEWS = _RESHAPES | {aten.transpose.int, aten.permute.default, aten.t.default, aten.unsqueeze.default,
+                      aten.expand.default, aten.contiguous.default, aten.to.dtype, aten.slice.Tensor, aten.select.int}
 
 
 def _bias_attr(a: object) -> fx.Node | None:
@@ -198,11 +212,13 @@ def read_router(nodes: list[fx.Node], fail, weight: str) -> Router:
         bias = _bias_attr(attrs[0]).target
         choice = next(a for a in choice.args if a is not attrs[0])
     if choice.target not in _SCORES:
-        late = _softmax_of_top_logits(pick, choice, weight)
+        late = _score_of_top_logits(pick, choice, weight)
         if late is None or bias or groups > 1:
             fail(f"its top-k picks from {choice.target}, not softmax or sigmoid scores",
                  "moecompile adopts those routers")
-        return Router(int(pick.args[1]), "softmax", True, None, 1, 1, _scale_of(late), _router_dtype(nodes, weight))
+        score = _SCORES[late.target]  # softmax over k: the top-k renormalised; sigmoid of each: unnormalised
+        return Router(int(pick.args[1]), score, score == "softmax", None, 1, 1, _scale_of(late),
+                      _router_dtype(nodes, weight))
     values = next((u for u in pick.users if u.args[1] == 0 and u.users), None)  # the top-k scores (getitem 0)
     indices = next((u for u in pick.users if u.args[1] == 1), None)
     gathered = [n for n in nodes if n.target is aten.gather.default and n.args[0] is choice and n.args[2] is indices]
@@ -224,16 +240,50 @@ def _scale_of(weights: fx.Node) -> float:
     return float(scaled.args[1]) if scaled is not None else 1.0
 
 
-def _softmax_of_top_logits(pick: fx.Node, choice: fx.Node, weight: str) -> fx.Node | None:
-    """The softmax over the top-k router logits (Granite-MoE: top-k of ``linear(x, W).float()``, then a softmax of
-    the k values), which equals the top-k of the softmax renormalised; None for any other router."""
+def _score_of_top_logits(pick: fx.Node, choice: fx.Node, weight: str) -> fx.Node | None:
+    """The scores of the top-k router logits: a softmax over the k values (Granite-MoE: top-k of
+    ``linear(x, W).float()``), which equals the top-k of the softmax renormalised, or a sigmoid of each, scattered
+    into -inf first (Llama 4), which is the top-k of the sigmoid; None for any other router."""
     logits = choice.args[0] if choice.target is aten.to.dtype else choice
     if logits.target is not aten.linear.default or getattr(logits.args[1], "target", None) != weight:
         return None
     values = next((u for u in pick.users if u.args[1] == 0), None)
     if values is None:
         return None
-    return next((u for u in values.users if _SCORES.get(u.target) == "softmax"), None)
+    softmax = next((u for u in values.users if _SCORES.get(u.target) == "softmax"), None)
+    if softmax is not None:
+        return softmax
+    scattered = next((u for u in values.users if u.target in (aten.scatter.src, aten.scatter_.src)), None)
+    if scattered is None or scattered.args[0].target is not aten.full_like.default or scattered.args[0].args[1] != -math.inf:
+        return None
+    cast = next(iter(scattered.users), None)
+    while cast is not None and cast.target is aten.to.dtype:
+        cast = next(iter(cast.users), None)
+    return cast if cast is not None and _SCORES.get(cast.target) == "sigmoid" else None
+
+
+def _weights_input(gm: fx.GraphModule, nodes: list[fx.Node], w_in: str) -> bool:
+    """Whether the routing scores reach the experts' first GEMM through its input rows (Llama 4: ``x * w``), along
+    floating-point values only: indices route rows in every block, weights reach the input only there."""
+    inside = set(nodes)
+    attr = next(n for n in gm.graph.nodes if n.op == "get_attr" and n.target == w_in)
+    weight_side, gemm = {attr}, None
+    frontier = [attr]
+    while frontier and gemm is None:  # through views of the weight to the op that multiplies by it
+        n = frontier.pop()
+        for u in n.users:
+            if u not in inside:
+                continue
+            if u.target in _VIEWS:
+                weight_side.add(u)
+                frontier.append(u)
+            else:
+                gemm = u
+    if gemm is None:
+        return False
+    floats = {n for n in inside if getattr(n.meta.get("val"), "is_floating_point", lambda: False)()}
+    rows = [a for a in gemm.all_input_nodes if a not in weight_side and a in floats]
+    return any(n.target in _SCORES for n in ancestors_within(rows, floats) | set(rows))
 
 
 def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
@@ -282,17 +332,27 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
         fail("its expert activation is not one " + " / ".join(GLU_ACTS if glu else MLP_ACTS),
              f"moecompile's {'GLU' if glu else 'MLP'} experts use one of those")
     w_in, w_out = (get_attr_value(gm, params[k]) for k in ("w_in", "w_out"))
-    if w_in.dim() != 3 or w_out.dim() != 3 or w_in.shape[1] != (2 if glu else 1) * w_out.shape[2]:
+    H, width = tensors[0].meta["val"].shape[-1], 2 if glu else 1
+
+    def fits(w_in: torch.Tensor, w_out: torch.Tensor) -> bool:  # [E, (2)F, H] / [E, H, F]
+        return (w_in.dim() == w_out.dim() == 3 and w_out.shape[1] == H
+                and tuple(w_in.shape[1:]) == (width * w_out.shape[2], H))
+
+    transposed = not fits(w_in, w_out) and fits(w_in.mT, w_out.mT)  # Llama 4's, read by bmm
+    if not fits(w_in, w_out) and not transposed:
         layout = "gated [E, 2F, H]" if glu else "[E, F, H]"
-        fail(f"its experts are {tuple(w_in.shape)} and {tuple(w_out.shape)}, not {layout} / [E, H, F]",
+        fail(f"its experts are {tuple(w_in.shape)} and {tuple(w_out.shape)}, not {layout} / [E, H, F] or transposed",
              "moecompile adopts fused experts of that layout")
+    weights_input = _weights_input(gm, nodes, params["w_in"])
+    if weights_input and not glu:
+        fail("its routing weights scale the input of MLP experts", "moecompile weighs an input only for GLU experts")
     # a dynamic trace's sizes computed here and reused after: they stay, with what they are computed from
     sizes = [n for n in used_outside if n not in outs]
     shapes = set(sizes) | ancestors_within(sizes, inside)
     if any(a.op == "get_attr" for n in shapes for a in n.all_input_nodes):
         fail("sizes it computes from its weights are used outside it", "moecompile adopts self-contained blocks")
     return ExistingBlock(layer, kind, [n for n in nodes if n not in shapes], tensors[0], outs[0], params, shared,
-                         int(w_in.shape[0]), router, act, glu)
+                         int(w_in.shape[0]), router, act, glu, transposed, weights_input)
 
 
 
@@ -329,6 +389,18 @@ def check_plan(cfg: ExpertsConfig, block: ExistingBlock) -> None:
                         "upcycling a dense FFN: set experts.granularity: 1")
 
 
+def weights_place(cfg: ExpertsConfig, block: ExistingBlock) -> str:
+    """Where the adopted block multiplies its routing weights: at the input where the model weighs it there, else
+    GLUs (without a bias) at either the activation or the combine, an MLP at the combine (not commuting with it)."""
+    if block.weights_input:
+        if cfg.apply_weights != "auto":
+            raise PlanError("experts.apply_weights", cfg.apply_weights,
+                            f"{block.layer} ({block.kind}) weights its experts' input rows, which neither the "
+                            "activation nor the combine computes: set experts.apply_weights: auto")
+        return "input"
+    return "combine" if cfg.apply_weights == "combine" or not block.glu else "activation"
+
+
 def block_io(gm: fx.GraphModule, inputs: list, blocks: list[ExistingBlock]) -> dict[fx.Node, torch.Tensor]:
     """Each block's input and output on the example inputs (one run of the graph as traced)."""
     wanted = {n for b in blocks for n in (b.x, b.out)}
@@ -353,7 +425,8 @@ def check_reproduces(gm: fx.GraphModule, cfg: ExpertsConfig, block: ExistingBloc
     if cfg.expert_bias and "bias" not in tensors:  # a bias the plan adds starts at zero
         tensors["bias"] = torch.zeros(cfg.num_experts, device=x.device)
     with torch.no_grad():
-        got, _ = moe_block(cfg, block.act, block.glu, 0, weights_at=where)(x, **tensors)
+        got, _ = moe_block(cfg, block.act, block.glu, 0, weights_at=where, flat_output=want.dim() == 2 < x.dim())(
+            x, **tensors)
     error = float((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-12))
     tolerance = 1e-4 if want.dtype == torch.float32 else 3e-2
     if not error <= tolerance:
@@ -380,8 +453,7 @@ def import_moe(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     recorded = block_io(gm, ctx.example_inputs, blocks) if blocks and not on_meta else {}
     traced: dict = {}  # layers alike share one traced block
     for block in blocks:
-        # GLUs without a bias: either place; an MLP's weights do not commute with its activation
-        where = "combine" if cfg.apply_weights == "combine" or not block.glu else "activation"
+        where = weights_place(cfg, block)
         check = "not checked (meta tensors)"
         if not on_meta:
             error = check_reproduces(gm, cfg, block, where, recorded[block.x], recorded[block.out])

@@ -163,22 +163,24 @@ def weights_at(cfg: ExpertsConfig, info: FFNInfo, layer: str) -> str:
 
 
 def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, load_group: tuple[str, int] | None = None,
-              weights_at: str = "combine"):
+              weights_at: str = "combine", flat_output: bool = False):
     """The MoE computation as plain torch code; traced to ATen and inlined by the pass.
 
     ``load_group`` (group name, size): sum the expert load over those ranks for the
     ``global_aux`` loss, launched after the permute and waited on where the loss needs it.
-    ``weights_at``: "activation" hands glu each row's weight, "combine" hands them to unpermute.
+    ``weights_at``: "activation" hands glu each row's weight, "combine" hands them to unpermute, "input" hands
+    them to glu to scale its rows before the activation (an adopted Llama 4 weights the experts' input rows).
+    ``flat_output``: return [T, H] rows, as a block that flattens its input does (Llama 4's), not x's shape.
     """
     E, k, S = cfg.num_experts, cfg.top_k, cfg.shared_experts
-    in_act = weights_at == "activation"
+    in_act = weights_at in ("activation", "input")
     groups = (cfg.route_groups, cfg.route_group_top_k) if cfg.route_groups > 1 else ()
 
     def expert_mlp(x, w_in, w_out, b_in, b_out, sizes, w_N=None):
         with annotate({"role": "experts"}):
             h = mc.grouped_mm(x, w_in, sizes, b_in)
         with annotate({"role": "expert_act"}):
-            h = mc.glu(h, act, w_N) if glu else MLP_ACTS[act](h)
+            h = mc.glu(h, act, w_N, weights_at == "input") if glu else MLP_ACTS[act](h)
         with annotate({"role": "experts"}):
             return mc.grouped_mm(h, w_out, sizes, b_out)
 
@@ -218,7 +220,7 @@ def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, load_group
                 global_load = (wait_tensor(pending, "global expert load (global_aux)", load_group[0]), load_group[1])
         with annotate({"role": "router_loss"}):
             side = router_losses(logits_TE, idx_TK, load_E, cfg, x.shape[1] if x.dim() == 3 else None, global_load)
-        return y_TH.view(x.shape), {"load": load_E, **side}
+        return y_TH if flat_output else y_TH.view(x.shape), {"load": load_E, **side}
 
     return block
 
@@ -309,12 +311,13 @@ def insert_block(gm: fx.GraphModule, ctx: PassContext, out: fx.Node, x: fx.Node,
     cfg = ctx.plan.experts
     x_val = x.meta["val"]
     capacity = cfg.capacity(int(x_val.shape[:-1].numel()))
+    flat = out.meta["val"].dim() == 2 < x_val.dim()  # the block returns its rows flattened
     values = {k: get_attr_value(gm, n) for k, n in params.items()}
-    key = (act, glu, capacity, where, repr(tuple(x_val.shape)), x_val.dtype, x_val.device,
+    key = (act, glu, capacity, where, flat, repr(tuple(x_val.shape)), x_val.dtype, x_val.device,
            tuple((k, tuple(v.shape), v.dtype) for k, v in values.items()))
     traced = {} if traced is None else traced
     if key not in traced:
-        traced[key] = trace_block(moe_block(cfg, act, glu, capacity, _load_group(ctx), where),
+        traced[key] = trace_block(moe_block(cfg, act, glu, capacity, _load_group(ctx), where, flat),
                                   {"x": torch.zeros(x_val.shape, dtype=x_val.dtype, device=x_val.device), **values})
     block = traced[key]
     existing = set(gm.graph.nodes)

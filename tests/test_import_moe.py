@@ -1,5 +1,5 @@
 """import_moe: a Hugging Face MoE model (Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, Granite-MoE, DeepSeek-V3 and its kin,
-Nemotron-H) converted as it is.
+Nemotron-H, Llama 4) converted as it is.
 
 Oracles: the Hugging Face model itself (same logits and the same gradients, by parameter, at
 conversion), a single process (ep=2 matches it step for step), and the exported checkpoint
@@ -208,31 +208,59 @@ def test_granite_moe_is_adopted_with_its_softmax_over_the_top_logits(model_type,
     torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
 
 
-# Nemotron-H's names -> moecompile's: plain MLP experts and shared expert, nothing fused
-NEMOTRON_RENAMES = {"gate.weight": "router.weight", "experts.up_proj": "experts.w_up", "experts.down_proj": "experts.w_down",
-                    "shared_experts.up_proj.weight": "shared_experts.w_up", "shared_experts.down_proj.weight":
-                    "shared_experts.w_down"}
+# HF name -> (moecompile's, how its gradient reads the HF tensor's) for blocks stored otherwise than RENAMES says:
+# Nemotron-H's plain MLP experts and shared MLP; Llama 4's transposed experts and ungated shared GLU
+OTHER_LAYOUTS = {"gate.weight": ("router.weight", "same"), "experts.up_proj": ("experts.w_up", "same"),
+                 "mixer.experts.down_proj": ("mixer.experts.w_down", "same"),
+                 "shared_experts.up_proj.weight": ("shared_experts.w_up", "expert 0"),
+                 "shared_experts.down_proj.weight": ("shared_experts.w_down", "expert 0"),
+                 "experts.gate_up_proj": ("experts.w_gate_up", "transposed"),
+                 "feed_forward.experts.down_proj": ("feed_forward.experts.w_down", "transposed"),
+                 "shared_expert.gate_proj.weight": ("shared_experts.w_gate_up", "gate half"),
+                 "shared_expert.up_proj.weight": ("shared_experts.w_gate_up", "up half"),
+                 "shared_expert.down_proj.weight": ("shared_experts.w_down", "expert 0")}
 
 
-def test_nemotron_h_is_adopted_with_its_relu2_mlp_experts_and_gives_its_logits_and_gradients():
+def grad_in_hf_layout(names: dict, hf_name: str) -> torch.Tensor:
+    old, (new, how) = next(((o, r) for o, r in OTHER_LAYOUTS.items() if hf_name.endswith(o)), (hf_name, (hf_name, "same")))
+    g = names[hf_name[: -len(old)] + new].grad
+    return {"same": lambda: g, "transposed": lambda: g.transpose(1, 2), "expert 0": lambda: g[0],
+            "gate half": lambda: g[0].chunk(2)[0], "up half": lambda: g[0].chunk(2)[1]}[how]()
+
+
+@pytest.mark.parametrize("name, layers, what", [
+    ("tiny-nemotron-h", ["model.layers.1.mixer", "model.layers.3.mixer"],
+     "sigmoid (biased selection) renormalised x2.5 relu2 MLPs + a shared expert (dropless, routing weights at the "
+     "combine)"),
+    ("tiny-llama4", ["model.layers.1.feed_forward"],
+     "top-1 sigmoid unnormalised silu GLUs weighted at their input + a shared expert (dropless, routing weights at "
+     "the input)"),
+])
+def test_blocks_of_other_layouts_are_adopted_and_give_the_hf_logits_and_gradients(name, layers, what):
     """Nemotron-H (Mamba-2, attention and MoE layers): ReLU² MLP experts, not GLUs, beside a ReLU² shared MLP, routed
-    like DeepSeek-V3 (sigmoid, selection bias, scaled). Before, its blocks went unseen and upcycle made an MoE of the
-    shared expert inside each."""
-    model, ids, result = converted("tiny-nemotron-h")
-    assert result.record("import_moe").data["layers"] == ["model.layers.1.mixer", "model.layers.3.mixer"]
-    assert "relu2 MLPs + a shared expert" in result.record("import_moe").decisions[0]
-    assert not result.record("find_ffn").data["ffns"]
+    like DeepSeek-V3 (sigmoid, selection bias, scaled); before, its blocks went unseen and upcycle made an MoE of the
+    shared expert inside each. Llama 4: a sigmoid of the top logits weighs each expert's *input*, experts stored
+    transposed ([E, H, 2F], read by bmm), an ungated shared GLU, the block's output flattened to [T, H]."""
+    model, ids, result = converted(name)
+    assert result.record("import_moe").data["layers"] == layers
+    assert what in result.record("import_moe").decisions[0]
+    assert not any("in model" in d for d in result.record("find_ffn").decisions)
     names = dict(result.module.named_parameters())
     got, want = result.module(ids).logits, model(ids, use_cache=False).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     lm_loss(got, ids).backward()
     lm_loss(want, ids).backward()
     for hf_name, p in model.named_parameters():
-        ours = next((hf_name[: -len(old)] + new for old, new in NEMOTRON_RENAMES.items() if hf_name.endswith(old)),
-                    hf_name)
-        ours_grad = names[ours].grad.reshape(p.shape)  # a shared expert is expert 0 of one: [1, F, H]
-        torch.testing.assert_close(ours_grad, p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=hf_name: f"{n}: {m}")
-    assert len(names) == len(dict(model.named_parameters()))
+        torch.testing.assert_close(grad_in_hf_layout(names, hf_name), p.grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=hf_name: f"{n}: {m}")
+    fused = sum(".shared_experts.w_gate_up" in n for n in names)
+    assert len(names) == len(dict(model.named_parameters())) - fused
+
+
+def test_a_block_that_weighs_its_experts_input_takes_no_other_place_for_the_weights():
+    model, ids = hf_moe("tiny-llama4")
+    with pytest.raises(PassError, match="weights its experts' input rows.*set experts.apply_weights: auto"):
+        mc.convert(model, {"experts": {**own_experts(model.config), "apply_weights": "combine"}}, (ids,))
 
 
 def test_adopt_false_leaves_a_shared_expert_inside_the_models_block_alone():
@@ -375,7 +403,7 @@ def test_a_deepseek_v3_with_an_upcycled_dense_layer_does_not_export_as_one(tmp_p
 
 def ep2_adopted(rank: int, world_size: int) -> dict[str, list[dict]]:
     return {name: ep2_steps(rank, world_size, name)
-            for name in ("tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-v3", "tiny-nemotron-h")}
+            for name in ("tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-v3", "tiny-nemotron-h", "tiny-llama4")}
 
 
 def ep2_steps(rank: int, world_size: int, name: str) -> list[dict]:
@@ -413,7 +441,7 @@ def ep2_steps(rank: int, world_size: int, name: str) -> list[dict]:
 
 
 @pytest.mark.distributed
-def test_adopted_mixtral_qwen2_moe_deepseek_v3_and_nemotron_h_train_with_ep2_like_one_process():
+def test_adopted_mixtral_qwen2_moe_deepseek_v3_nemotron_h_and_llama4_train_with_ep2_like_one_process():
     for by_model in spawn(ep2_adopted, 2, timeout=300):
         for name, steps in by_model.items():
             for s in steps:

@@ -359,6 +359,7 @@ def _opcheck_cases():
     yield "grouped_mm_wgrad", (torch.randn(10, 5), x_NH.clone(), sizes)
     yield "glu", (torch.randn(6, 10, **rg), "silu")
     yield "glu", (torch.randn(2, 3, 4, **rg), "gelu_tanh")
+    yield "glu", (torch.randn(6, 10, **rg), "silu", torch.rand(6, **rg), True)
     yield "unpermute", (torch.randn(10, 6, **rg), row_src, w.clone().requires_grad_(), 5)
     yield "unpermute", (torch.randn(8, 6, **rg), row_src_c, w.clone().requires_grad_(), 5)
     yield "unpermute", (torch.randn(8, 6, **rg), row_src_c, w.clone(), 5, False)
@@ -402,6 +403,19 @@ def test_gradcheck_glu(act):
     h = torch.randn(3, 2, 8, dtype=F64)
     h = (h + 0.1 * h.sign()).requires_grad_()  # keep relu away from its kink
     assert torch.autograd.gradcheck(lambda h: mk.glu(h, act), (h,))
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_an_input_weighted_glu_is_the_glu_of_the_weighted_rows_and_its_gradients_are_exact(act):
+    """weight_input: act(w gate) * (w up), what an expert whose input rows were weighted computes (Llama 4)."""
+    h = torch.randn(5, 8, dtype=F64, requires_grad=True)
+    w = torch.rand(5, dtype=F64, requires_grad=True)
+    want = mk.glu(h * w[:, None], act)
+    torch.testing.assert_close(mk.glu(h, act, w, True), want)
+    assert not torch.allclose(mk.glu(h, act, w), want)  # the weight applied after the activation differs
+    assert torch.autograd.gradcheck(lambda h, w: mk.glu(h, act, w, True), (h, w))
+    with pytest.raises(ValueError, match="weight_input=True scales the rows by weight_N"):
+        mk.glu(h, act, None, True)
 
 
 def _expert_rows(capacity: int):

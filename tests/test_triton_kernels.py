@@ -296,6 +296,18 @@ test_glu, test_glu_many = prop(glu_cases(), examples=[
 ])(check_glu)
 
 
+def test_an_input_weighted_glu_runs_the_triton_kernels_on_the_weighted_rows():
+    gen = torch.Generator().manual_seed(5)
+    h = (torch.randn(37, 2 * 45, generator=gen) * 2).requires_grad_()
+    w = torch.rand(37, generator=gen).requires_grad_()
+
+    def run():
+        out = mk.glu(h, "silu", w, True)
+        return (out, *grads(out, (h, w), 5))
+    got, want = both(run)
+    close(got, want, torch.float32, "glu weight_input")
+
+
 # ------------------------------------------------------------------------------ fp8
 
 
