@@ -18,6 +18,11 @@ whose *input* was weighted computes it (Llama 4: x * w goes into the first GEMM,
     out_NF = silu(w * gate_NF) * (w * up_NF)                 w = weight_N[:, None]
 
 Both backends run that as glu(w * h): the scaling is this module's, not each kernel's.
+
+``act="clamped_swiglu"`` is gpt-oss's: the gate clamped above at 7, then g * sigmoid(1.702 g), and the up
+half clamped to +-7 and shifted by one:
+
+    out_NF = min(gate, 7) * sigmoid(1.702 min(gate, 7)) * (clamp(up, -7, 7) + 1)
 """
 from typing import Optional
 
@@ -28,7 +33,8 @@ from torch import Tensor
 from . import backend, library
 from .row_ops import row_dot
 
-ACTS = ("silu", "gelu", "gelu_tanh", "relu")
+ACTS = ("silu", "gelu", "gelu_tanh", "relu", "clamped_swiglu")
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # clamped_swiglu's constants (gpt-oss's; glu_triton.py writes them out too)
 
 
 def _check(h_NF2: Tensor, act: str, weight_N: Optional[Tensor] = None) -> None:
@@ -48,7 +54,20 @@ def _act(x: Tensor, act: str) -> Tensor:
         return F.silu(x)
     if act == "relu":
         return F.relu(x)
+    if act == "clamped_swiglu":
+        g = x.clamp(max=SWIGLU_LIMIT)
+        return g * torch.sigmoid(SWIGLU_ALPHA * g)
     return F.gelu(x, approximate="tanh" if act == "gelu_tanh" else "none")
+
+
+def _up(up: Tensor, act: str) -> Tensor:
+    """The up half as the product reads it: itself, or clamped_swiglu's clamp(up, -L, L) + 1."""
+    return up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT).add_(1) if act == "clamped_swiglu" else up
+
+
+def _up_backward_(grad_up: Tensor, up: Tensor, act: str) -> Tensor:
+    """grad_up through ``_up``, in place: zero where clamped_swiglu's clamp cut (torch's clamp keeps the bounds)."""
+    return grad_up.masked_fill_(up.abs() > SWIGLU_LIMIT, 0) if act == "clamped_swiglu" else grad_up
 
 
 def _act_backward(grad: Tensor, x: Tensor, act: str, out: Optional[Tensor] = None) -> Tensor:
@@ -59,6 +78,11 @@ def _act_backward(grad: Tensor, x: Tensor, act: str, out: Optional[Tensor] = Non
         return torch.ops.aten.silu_backward.grad_input(grad, x, grad_input=out)
     if act == "relu":
         return torch.ops.aten.threshold_backward.grad_input(grad, x, 0, grad_input=out)
+    if act == "clamped_swiglu":  # d/dx [g sigmoid(a g)] = s (1 + a g (1 - s)), g = min(x, L); 0 above L
+        g = x.clamp(max=SWIGLU_LIMIT)
+        s = torch.sigmoid(SWIGLU_ALPHA * g)
+        slope = s.mul_(g.mul(1 - s).mul_(SWIGLU_ALPHA).add_(1)).masked_fill_(x > SWIGLU_LIMIT, 0)
+        return torch.mul(grad, slope, out=out)
     approximate = "tanh" if act == "gelu_tanh" else "none"
     return torch.ops.aten.gelu_backward.grad_input(grad, x, approximate=approximate, grad_input=out)
 
@@ -67,7 +91,7 @@ def glu_ref(h_NF2: Tensor, act: str, weight_N: Optional[Tensor] = None) -> Tenso
     """Pure-torch GLU: the CPU implementation and the test oracle."""
     _check(h_NF2, act, weight_N)
     gate_NF, up_NF = h_NF2.chunk(2, dim=-1)
-    out_NF = _act(gate_NF, act).mul_(up_NF)
+    out_NF = _act(gate_NF, act).mul_(_up(up_NF, act))
     return out_NF if weight_N is None else out_NF.mul_(weight_N.to(out_NF.dtype).unsqueeze(-1))
 
 
@@ -108,7 +132,8 @@ def glu_backward(grad_NF: Tensor, h_NF2: Tensor, act: str) -> Tensor:
     grad_h = h_NF2.new_empty(h_NF2.shape, dtype=torch.promote_types(grad_NF.dtype, h_NF2.dtype))
     grad_gate_NF, grad_up_NF = grad_h.chunk(2, dim=-1)
     torch.mul(grad_NF, _act(gate_NF, act), out=grad_up_NF)
-    torch.mul(grad_NF, up_NF, out=grad_gate_NF)
+    _up_backward_(grad_up_NF, up_NF, act)
+    torch.mul(grad_NF, _up(up_NF, act), out=grad_gate_NF)
     _act_backward(grad_gate_NF, gate_NF, act, out=grad_gate_NF)
     return grad_h
 
@@ -130,9 +155,9 @@ def glu_backward_ref(
     grad_gate_NF, grad_up_NF = grad_h.chunk(2, dim=-1)
     w_N1 = weight_N.to(grad_h.dtype).unsqueeze(-1)
     act_NF = _act(gate_NF, act)
-    torch.mul(grad_NF, up_NF, out=grad_gate_NF)
+    torch.mul(grad_NF, _up(up_NF, act), out=grad_gate_NF)
     grad_w_N = row_dot(grad_gate_NF, act_NF, torch.promote_types(h_NF2.dtype, torch.float32))
-    torch.mul(grad_NF, act_NF, out=grad_up_NF).mul_(w_N1)
+    _up_backward_(torch.mul(grad_NF, act_NF, out=grad_up_NF).mul_(w_N1), up_NF, act)
     _act_backward(grad_gate_NF.mul_(w_N1), gate_NF, act, out=grad_gate_NF)
     return grad_h, grad_w_N.to(weight_N.dtype)
 
@@ -170,6 +195,7 @@ backend.register("glu_backward", glu_backward_ref, triton="glu_triton:glu_backwa
 
 
 def glu(h_NF2: Tensor, act: str = "silu", weight_N: Optional[Tensor] = None, weight_input: bool = False) -> Tensor:
-    """act(h[..., :F]) * h[..., F:] (* weight_N[..., None]) for act in silu | gelu | gelu_tanh | relu;
+    """act(h[..., :F]) * h[..., F:] (* weight_N[..., None]) for act in silu | gelu | gelu_tanh | relu, or
+    gpt-oss's clamped_swiglu (its up half clamped and shifted by one);
     ``weight_input``: act(w h[..., :F]) * (w h[..., F:]), the rows weighted before the activation."""
     return torch.ops.moecompile.glu(h_NF2, act, weight_N, weight_input)

@@ -14,7 +14,7 @@ from torch import Tensor
 from .glu import _check
 
 INTERPRET = triton.knobs.runtime.interpret  # what @triton.jit below was decorated under
-_ACT_ID = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+_ACT_ID = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "clamped_swiglu": 4}
 
 
 @triton.jit
@@ -36,8 +36,11 @@ def _act(x, ACT: tl.constexpr):
         y = 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
     elif ACT == 2:
         y = 0.5 * x * (1.0 + _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
-    else:
+    elif ACT == 3:
         y = tl.maximum(x, 0.0)
+    else:  # clamped_swiglu: glu.SWIGLU_LIMIT 7, glu.SWIGLU_ALPHA 1.702
+        g = tl.minimum(x, 7.0)
+        y = g * _sigmoid(1.702 * g)
     return y
 
 
@@ -52,8 +55,29 @@ def _act_grad(x, ACT: tl.constexpr):
     elif ACT == 2:
         t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
         d = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
-    else:
+    elif ACT == 3:
         d = (x > 0.0).to(tl.float32)
+    else:
+        g = tl.minimum(x, 7.0)
+        s = _sigmoid(1.702 * g)
+        d = tl.where(x <= 7.0, s * (1.0 + 1.702 * g * (1.0 - s)), 0.0)
+    return d
+
+
+@triton.jit
+def _up(up, ACT: tl.constexpr):
+    """The up half as the product reads it (glu._up)."""
+    if ACT == 4:
+        up = tl.minimum(tl.maximum(up, -7.0), 7.0) + 1.0
+    return up
+
+
+@triton.jit
+def _up_grad(up, ACT: tl.constexpr):
+    if ACT == 4:
+        d = ((up >= -7.0) & (up <= 7.0)).to(tl.float32)
+    else:
+        d = tl.full(up.shape, 1.0, tl.float32)
     return d
 
 
@@ -69,7 +93,7 @@ def _glu_fwd_kernel(
     mask = (rows < M)[:, None] & (cols < F)[None, :]
     h_rows = h_ptr + rows[:, None] * stride_hm + cols[None, :]
     gate = tl.load(h_rows, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_rows + F, mask=mask, other=0.0).to(tl.float32)
+    up = _up(tl.load(h_rows + F, mask=mask, other=0.0).to(tl.float32), ACT)
     out = _act(gate, ACT) * up
     if HAS_W:
         out = out * tl.load(w_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]
@@ -94,14 +118,15 @@ def _glu_bwd_kernel(
         g = tl.load(g_ptr + rows[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         h_rows = h_ptr + rows[:, None] * stride_hm + cols[None, :]
         gate = tl.load(h_rows, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(h_rows + F, mask=mask, other=0.0).to(tl.float32)
+        up_raw = tl.load(h_rows + F, mask=mask, other=0.0).to(tl.float32)
+        up = _up(up_raw, ACT)
         a = _act(gate, ACT)
         if HAS_W:
             dw += tl.sum(g * a * up, axis=1)
             g = g * w[:, None]
         dh_rows = dh_ptr + rows[:, None] * stride_dhm + cols[None, :]
         tl.store(dh_rows, (g * up * _act_grad(gate, ACT)).to(dh_ptr.dtype.element_ty), mask=mask)
-        tl.store(dh_rows + F, (g * a).to(dh_ptr.dtype.element_ty), mask=mask)
+        tl.store(dh_rows + F, (g * a * _up_grad(up_raw, ACT)).to(dh_ptr.dtype.element_ty), mask=mask)
     if HAS_W:
         tl.store(dw_ptr + rows, dw.to(dw_ptr.dtype.element_ty), mask=row_ok)
 

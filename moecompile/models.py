@@ -106,6 +106,12 @@ MODELS: dict[str, ZooEntry] = {
         _hf("Llama4TextConfig", **{**_TINY, "intermediate_size": 16}, head_dim=8, intermediate_size_mlp=64,
             num_local_experts=4, num_experts_per_tok=1, moe_layers=[1]),
     ),
+    "tiny-gpt-oss": ZooEntry(
+        "gpt-oss (4 experts top-2 of width 16 with biases, a router bias, a softmax over the top-2 logits, "
+        "gpt-oss's clamped SwiGLU; attention sinks, sliding and full attention layers)",
+        _hf("GptOssConfig", **{**_TINY, "intermediate_size": 16}, head_dim=8, num_local_experts=4,
+            num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"], sliding_window=16),
+    ),
     "small-llama": ZooEntry(
         "Llama, 4 layers, hidden 256, FFN 688, vocab 1024 (for benchmarks)",
         _hf("LlamaConfig", **{**_TINY, "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 688,

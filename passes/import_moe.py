@@ -1,5 +1,5 @@
 """Pass ``import_moe``: adopt the MoE blocks a model already has (Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, Granite-MoE,
-DeepSeek-V3 and the models that reuse its router, Nemotron-H, Llama 4).
+DeepSeek-V3 and the models that reuse its router, Nemotron-H, Llama 4, gpt-oss).
 
 Hugging Face's MoE layers (transformers 5) keep their experts fused, in moecompile's own layout::
 
@@ -8,7 +8,9 @@ Hugging Face's MoE layers (transformers 5) keep their experts fused, in moecompi
     <layer>.experts.down_proj        [E, H, F]
     <layer>.experts.up_proj          [E, F, H]    instead of gate_up_proj: plain MLP experts (Nemotron-H, ReLU²)
 
-or transposed, [E, H, 2F] / [E, F, H] (Llama 4's, read by ``bmm``), which the adopted block holds in its layout.
+or transposed, [E, H, 2F] / [E, F, H] (Llama 4's, read by ``bmm``), which the adopted block holds in its layout;
+gpt-oss's alternate gate and up columns (read by step-2 slices) and have biases (``experts.gate_up_proj_bias``,
+``experts.down_proj_bias``), and its router GEMM has one (``router.bias``).
 
 Each such block is replaced by moecompile's (the one ``upcycle`` builds), holding the same
 tensors, so expert parallelism, overlap, FP8, recompute, the train step and ``export_hf``
@@ -48,16 +50,18 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from moecompile.errors import MoecompileError, PlanError
 from moecompile.graph import ancestors_within, clean_path, delete_unused_attrs, get_attr_value, module_chain
+from moecompile.kernels.glu import SWIGLU_ALPHA, SWIGLU_LIMIT
 from moecompile.pass_manager import PassContext, register_pass
 from moecompile.plan import ExpertsConfig
 
-from .upcycle import GLU_ACTS, MLP_ACTS, insert_block, moe_block, register_block
+from .upcycle import GLU_ACTS, MLP_ACTS, insert_block, moe_block, register_block, weights_at
 
 aten = torch.ops.aten
 
 # block tensor key -> Hugging Face parameter name under the block's module path
 HF_NAMES = {"router": "gate.weight", "w_in": "experts.gate_up_proj", "w_out": "experts.down_proj"}
 EXPERT_INPUTS = {"experts.gate_up_proj": True, "experts.up_proj": False}  # fused experts' first GEMM -> gated
+EXPERT_BIASES = {"b_in": "experts.gate_up_proj_bias", "b_out": "experts.down_proj_bias"}  # gpt-oss's
 ROUTER_NAMES = ("gate.weight", "router.weight")  # the router's weight, by name (Granite-MoE: router.weight)
 # the shared experts moecompile's block can be: a GLU beside the routed experts, Qwen2-MoE's behind a
 # per-token sigmoid gate, DeepSeek-V3's (n_shared_experts of them fused into one wide GLU) ungated
@@ -111,6 +115,7 @@ class ExistingBlock:
     act: str
     glu: bool  # gated experts (act(x Wg) * x Wu), else plain MLPs (act(x Wu))
     transposed: bool = False  # experts stored [E, H, (2)F] / [E, F, H] (Llama 4)
+    interleaved: bool = False  # gate and up columns alternate (gpt-oss)
     weights_input: bool = False  # the routing weights scale the experts' input rows (Llama 4)
 
     def plan_fields(self) -> dict[str, object]:
@@ -127,12 +132,14 @@ class ExistingBlock:
         r = self.router
         groups = f" within {r.route_group_top_k} of {r.route_groups} groups" if r.route_groups > 1 else ""
         bias = " (biased selection)" if r.bias else ""
+        bias += " (a router bias)" if "router_bias" in self.params else ""
         weights = "renormalised" if r.normalize else "unnormalised"
         weights += f" x{r.route_scale:g}" if r.route_scale != 1 else ""
         shared = " + a shared expert" if self.shared else ""
         shared = " + a gated shared expert" if "shared_gate" in self.shared else shared
         kind = "GLUs" if self.glu else "MLPs"
         kind += " weighted at their input" if self.weights_input else ""
+        kind += " with biases" if "b_in" in self.params or "b_out" in self.params else ""
         return f"{self.num_experts} experts top-{r.top_k}{groups} {r.score}{bias} {weights} {self.act} {kind}{shared}"
 
     def tensors(self, gm: fx.GraphModule) -> dict[str, torch.Tensor]:
@@ -140,6 +147,8 @@ class ExistingBlock:
         out = {k: get_attr_value(gm, n) for k, n in self.params.items()}
         if self.transposed:
             out |= {k: out[k].transpose(1, 2).contiguous() for k in ("w_in", "w_out")}
+        if self.interleaved:  # gate rows first, then up, as moecompile's
+            out |= {k: torch.cat([out[k][:, 0::2], out[k][:, 1::2]], 1) for k in ("w_in", "b_in") if k in out}
         if self.router.bias:
             out["bias"] = get_attr_value(gm, self.router.bias).reshape(-1)  # [E], from [1, E] too
         if self.shared:
@@ -262,6 +271,16 @@ def _score_of_top_logits(pick: fx.Node, choice: fx.Node, weight: str) -> fx.Node
     return cast if cast is not None and _SCORES.get(cast.target) == "sigmoid" else None
 
 
+def _router_bias(nodes: list[fx.Node], weight: str) -> str | None:
+    """The bias the router GEMM adds to its logits (gpt-oss's ``router.bias``), by name; None without one."""
+    def attr(n: object) -> str | None:
+        n = n.args[0] if isinstance(n, fx.Node) and n.target is aten.to.dtype else n
+        return n.target if isinstance(n, fx.Node) and n.op == "get_attr" else None
+
+    gemm = next((n for n in nodes if n.target is aten.linear.default and attr(n.args[1]) == weight), None)
+    return attr(gemm.args[2]) if gemm is not None and len(gemm.args) > 2 else None
+
+
 def _weights_input(gm: fx.GraphModule, nodes: list[fx.Node], w_in: str) -> bool:
     """Whether the routing scores reach the experts' first GEMM through its input rows (Llama 4: ``x * w``), along
     floating-point values only: indices route rows in every block, weights reach the input only there."""
@@ -305,6 +324,10 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
     if not glu:
         params["w_in"] = f"{layer}.experts.up_proj"
     params["router"] = next((f"{layer}.{n}" for n in ROUTER_NAMES if f"{layer}.{n}" in attrs), params["router"])
+    params |= {k: f"{layer}.{v}" for k, v in EXPERT_BIASES.items() if f"{layer}.{v}" in attrs}
+    router_bias = _router_bias(nodes, params["router"])
+    if router_bias is not None:
+        params["router_bias"] = router_bias
     layouts = [{k: f"{layer}.{v}" for k, v in names.items()} for names in SHARED_LAYOUTS]
     shared = next((names for names in layouts if set(names.values()) <= attrs), {})
     if shared and ("gate" in shared) != glu:
@@ -329,7 +352,8 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
              "set config.output_router_logits = False: moecompile computes the router losses the plan asks for")
     act = _expert_act(nodes)
     if act is None or act not in (GLU_ACTS if glu else MLP_ACTS):
-        fail("its expert activation is not one " + " / ".join(GLU_ACTS if glu else MLP_ACTS),
+        fail(f"its expert activation ({act or 'none found, or several'}) is not one of "
+             + " / ".join(GLU_ACTS if glu else MLP_ACTS),
              f"moecompile's {'GLU' if glu else 'MLP'} experts use one of those")
     w_in, w_out = (get_attr_value(gm, params[k]) for k in ("w_in", "w_out"))
     H, width = tensors[0].meta["val"].shape[-1], 2 if glu else 1
@@ -343,6 +367,7 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
         layout = "gated [E, 2F, H]" if glu else "[E, F, H]"
         fail(f"its experts are {tuple(w_in.shape)} and {tuple(w_out.shape)}, not {layout} / [E, H, F] or transposed",
              "moecompile adopts fused experts of that layout")
+    interleaved = glu and any(n.target is aten.slice.Tensor and n.args[4:5] == (2,) for n in nodes)
     weights_input = _weights_input(gm, nodes, params["w_in"])
     if weights_input and not glu:
         fail("its routing weights scale the input of MLP experts", "moecompile weighs an input only for GLU experts")
@@ -352,14 +377,22 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
     if any(a.op == "get_attr" for n in shapes for a in n.all_input_nodes):
         fail("sizes it computes from its weights are used outside it", "moecompile adopts self-contained blocks")
     return ExistingBlock(layer, kind, [n for n in nodes if n not in shapes], tensors[0], outs[0], params, shared,
-                         int(w_in.shape[0]), router, act, glu, transposed, weights_input)
+                         int(w_in.shape[0]), router, act, glu, transposed, interleaved, weights_input)
 
 
 
 def _expert_act(nodes: list[fx.Node]) -> str | None:
     """The one activation the block's experts (and shared expert) apply, by the name find_ffn gives it; else None.
 
-    A relu whose every use squares it is ReLU² ("relu2"); a gelu's ``approximate`` tells "gelu_tanh"."""
+    A relu whose every use squares it is ReLU² ("relu2"); a gelu's ``approximate`` tells "gelu_tanh"; a sigmoid of
+    alpha * min(gate, L), times that min, is gpt-oss's "clamped_swiglu" (its alpha and L named when not glu's)."""
+    swiglu = next((n.args[0] for n in nodes if n.target is aten.sigmoid.default and n.args[0].target is aten.mul.Tensor
+                   and getattr(n.args[0].args[0], "target", None) is aten.clamp.default), None)
+    if swiglu is not None:
+        clamp, alpha = swiglu.args
+        limit = clamp.args[2] if len(clamp.args) > 2 else clamp.kwargs.get("max")
+        known = (alpha, limit) == (SWIGLU_ALPHA, SWIGLU_LIMIT)
+        return "clamped_swiglu" if known else f"a clamped SwiGLU of alpha {alpha}, limit {limit}"
     acts = [n for n in nodes if n.target in _ACTS]
     if len({(a.target, a.kwargs.get("approximate"), a.args[1:]) for a in acts}) != 1:
         return None
@@ -391,14 +424,14 @@ def check_plan(cfg: ExpertsConfig, block: ExistingBlock) -> None:
 
 def weights_place(cfg: ExpertsConfig, block: ExistingBlock) -> str:
     """Where the adopted block multiplies its routing weights: at the input where the model weighs it there, else
-    GLUs (without a bias) at either the activation or the combine, an MLP at the combine (not commuting with it)."""
+    where ``upcycle`` would put them (a GLU without a down bias: the activation, unless the plan says combine)."""
     if block.weights_input:
         if cfg.apply_weights != "auto":
             raise PlanError("experts.apply_weights", cfg.apply_weights,
                             f"{block.layer} ({block.kind}) weights its experts' input rows, which neither the "
                             "activation nor the combine computes: set experts.apply_weights: auto")
         return "input"
-    return "combine" if cfg.apply_weights == "combine" or not block.glu else "activation"
+    return weights_at(cfg, block.glu, "b_out" in block.params, block.layer)
 
 
 def block_io(gm: fx.GraphModule, inputs: list, blocks: list[ExistingBlock]) -> dict[fx.Node, torch.Tensor]:

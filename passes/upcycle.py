@@ -134,7 +134,8 @@ def register_block(gm: fx.GraphModule, layer: str, tensors: dict[str, torch.Tens
     """
     names = dict(_PARAM_NAMES[glu])
     names |= {f"shared_{k}": n.replace("experts.", "shared_experts.") for k, n in names.items()}
-    names |= {"router": "router.weight", "bias": "router.expert_bias", "shared_gate": "shared_experts.gate.weight"}
+    names |= {"router": "router.weight", "bias": "router.expert_bias", "shared_gate": "shared_experts.gate.weight",
+              "router_bias": "router.bias"}
     prefix = f"{layer}." if layer else ""
     if cfg.expert_bias and "bias" not in tensors:
         tensors = {**tensors, "bias": torch.zeros(cfg.num_experts, device=tensors["w_in"].device)}
@@ -149,11 +150,11 @@ def upcycled_tensors(gm: fx.GraphModule, layer: str, info: FFNInfo, cfg: Experts
     return tensors
 
 
-def weights_at(cfg: ExpertsConfig, info: FFNInfo, layer: str) -> str:
+def weights_at(cfg: ExpertsConfig, glu: bool, down_bias: bool, layer: str) -> str:
     """Where ``layer``'s routing weights are multiplied in: "activation" or "combine" (see the docstring)."""
-    fits = info["kind"] == "glu" and "down" not in info["biases"]
+    fits = glu and not down_bias
     if cfg.apply_weights == "activation" and not fits:
-        why = "its experts are not GLUs" if info["kind"] != "glu" else "its down projection has a bias"
+        why = "its experts are not GLUs" if not glu else "its down projection has a bias"
         raise PlanError(
             "experts.apply_weights", "activation",
             f"cannot apply to {layer or '<root>'}: {why}, so the weight would not commute with the down "
@@ -185,13 +186,13 @@ def moe_block(cfg: ExpertsConfig, act: str, glu: bool, capacity: int, load_group
             return mc.grouped_mm(h, w_out, sizes, b_out)
 
     def block(x, router, w_in, w_out, bias=None, b_in=None, b_out=None, shared_w_in=None, shared_w_out=None, shared_b_in=None, shared_b_out=None,
-              shared_gate=None):
+              shared_gate=None, router_bias=None):
         x_TH = x.reshape(-1, x.shape[-1])
         with annotate({"role": "router"}):
             if cfg.router_dtype == "float32":
-                logits_TE = F.linear(x_TH.float(), router.float())
+                logits_TE = F.linear(x_TH.float(), router.float(), None if router_bias is None else router_bias.float())
             else:
-                logits_TE = F.linear(x_TH, router)
+                logits_TE = F.linear(x_TH, router, router_bias)
         with annotate({"role": "route"}):
             weights_TK, idx_TK = mc.route(logits_TE, bias, k, cfg.score, cfg.normalize, *groups)
             if cfg.route_scale != 1.0:
@@ -287,7 +288,7 @@ def upcycle(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue
         x = by_name[info["input"]]
         params = register_block(gm, layer, upcycled_tensors(gm, layer, info, cfg, cfg.seed), info["kind"] == "glu", cfg)
-        where = weights_at(cfg, info, layer)
+        where = weights_at(cfg, info["kind"] == "glu", "down" in info["biases"], layer)
         capacity = insert_block(gm, ctx, out, x, layer, params, info["act"], info["kind"] == "glu", where, traced)
         _erase_ffn(gm, info, by_name)
         converted.append(layer)

@@ -38,7 +38,7 @@ GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
 RECOMPUTABLE = ["router", "moe_act", "layernorm", "shared_experts", "moe", "attention"]
 DENSE = ["tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-mistral", "tiny-gemma", "tiny-phi3", "tiny-olmo2", "tiny-gpt2"]
 MOE = ["tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-deepseek-v3", "tiny-ernie4.5-moe", "tiny-granite-moe",
-       "tiny-nemotron-h"]
+       "tiny-nemotron-h", "tiny-llama4", "tiny-gpt-oss"]
 
 
 def random_plan(rng: random.Random) -> tuple[dict, str, int]:

@@ -1,5 +1,5 @@
 """import_moe: a Hugging Face MoE model (Mixtral, Qwen2/3-MoE, OLMoE, ERNIE 4.5, Granite-MoE, DeepSeek-V3 and its kin,
-Nemotron-H, Llama 4) converted as it is.
+Nemotron-H, Llama 4, gpt-oss) converted as it is.
 
 Oracles: the Hugging Face model itself (same logits and the same gradients, by parameter, at
 conversion), a single process (ep=2 matches it step for step), and the exported checkpoint
@@ -210,7 +210,11 @@ def test_granite_moe_is_adopted_with_its_softmax_over_the_top_logits(model_type,
 
 # HF name -> (moecompile's, how its gradient reads the HF tensor's) for blocks stored otherwise than RENAMES says:
 # Nemotron-H's plain MLP experts and shared MLP; Llama 4's transposed experts and ungated shared GLU
-OTHER_LAYOUTS = {"gate.weight": ("router.weight", "same"), "experts.up_proj": ("experts.w_up", "same"),
+OTHER_LAYOUTS = {"mlp.experts.gate_up_proj": ("mlp.experts.w_gate_up", "transposed, interleaved"),  # gpt-oss's
+                 "mlp.experts.gate_up_proj_bias": ("mlp.experts.b_gate_up", "interleaved"),
+                 "mlp.experts.down_proj": ("mlp.experts.w_down", "transposed"),
+                 "mlp.experts.down_proj_bias": ("mlp.experts.b_down", "same"),
+                 "gate.weight": ("router.weight", "same"), "experts.up_proj": ("experts.w_up", "same"),
                  "mixer.experts.down_proj": ("mixer.experts.w_down", "same"),
                  "shared_experts.up_proj.weight": ("shared_experts.w_up", "expert 0"),
                  "shared_experts.down_proj.weight": ("shared_experts.w_down", "expert 0"),
@@ -224,8 +228,12 @@ OTHER_LAYOUTS = {"gate.weight": ("router.weight", "same"), "experts.up_proj": ("
 def grad_in_hf_layout(names: dict, hf_name: str) -> torch.Tensor:
     old, (new, how) = next(((o, r) for o, r in OTHER_LAYOUTS.items() if hf_name.endswith(o)), (hf_name, (hf_name, "same")))
     g = names[hf_name[: -len(old)] + new].grad
+
+    def interleaved(t: torch.Tensor) -> torch.Tensor:  # [gate | up] along the last dim -> gate, up alternating
+        return torch.stack(t.chunk(2, -1), -1).flatten(-2)
     return {"same": lambda: g, "transposed": lambda: g.transpose(1, 2), "expert 0": lambda: g[0],
-            "gate half": lambda: g[0].chunk(2)[0], "up half": lambda: g[0].chunk(2)[1]}[how]()
+            "gate half": lambda: g[0].chunk(2)[0], "up half": lambda: g[0].chunk(2)[1],
+            "interleaved": lambda: interleaved(g), "transposed, interleaved": lambda: interleaved(g.transpose(1, 2))}[how]()
 
 
 @pytest.mark.parametrize("name, layers, what", [
@@ -235,12 +243,16 @@ def grad_in_hf_layout(names: dict, hf_name: str) -> torch.Tensor:
     ("tiny-llama4", ["model.layers.1.feed_forward"],
      "top-1 sigmoid unnormalised silu GLUs weighted at their input + a shared expert (dropless, routing weights at "
      "the input)"),
+    ("tiny-gpt-oss", ["model.layers.0.mlp", "model.layers.1.mlp"],
+     "top-2 softmax (a router bias) renormalised clamped_swiglu GLUs with biases (dropless, routing weights at the "
+     "combine)"),
 ])
 def test_blocks_of_other_layouts_are_adopted_and_give_the_hf_logits_and_gradients(name, layers, what):
     """Nemotron-H (Mamba-2, attention and MoE layers): ReLU² MLP experts, not GLUs, beside a ReLU² shared MLP, routed
     like DeepSeek-V3 (sigmoid, selection bias, scaled); before, its blocks went unseen and upcycle made an MoE of the
     shared expert inside each. Llama 4: a sigmoid of the top logits weighs each expert's *input*, experts stored
-    transposed ([E, H, 2F], read by bmm), an ungated shared GLU, the block's output flattened to [T, H]."""
+    transposed ([E, H, 2F], read by bmm), an ungated shared GLU, the block's output flattened to [T, H]. gpt-oss: a
+    router bias, expert biases, gate and up columns alternating in transposed experts, its clamped SwiGLU."""
     model, ids, result = converted(name)
     assert result.record("import_moe").data["layers"] == layers
     assert what in result.record("import_moe").decisions[0]
@@ -257,10 +269,14 @@ def test_blocks_of_other_layouts_are_adopted_and_give_the_hf_logits_and_gradient
     assert len(names) == len(dict(model.named_parameters())) - fused
 
 
-def test_a_block_that_weighs_its_experts_input_takes_no_other_place_for_the_weights():
-    model, ids = hf_moe("tiny-llama4")
-    with pytest.raises(PassError, match="weights its experts' input rows.*set experts.apply_weights: auto"):
-        mc.convert(model, {"experts": {**own_experts(model.config), "apply_weights": "combine"}}, (ids,))
+@pytest.mark.parametrize("name, place, match", [
+    ("tiny-llama4", "combine", "weights its experts' input rows.*set experts.apply_weights: auto"),
+    ("tiny-gpt-oss", "activation", "its down projection has a bias.*use 'auto'"),
+])
+def test_routing_weights_go_only_where_the_adopted_block_computes_them(name, place, match):
+    model, ids = hf_moe(name)
+    with pytest.raises(PassError, match=match):
+        mc.convert(model, {"experts": {**own_experts(model.config), "apply_weights": place}}, (ids,))
 
 
 def test_adopt_false_leaves_a_shared_expert_inside_the_models_block_alone():
@@ -403,7 +419,8 @@ def test_a_deepseek_v3_with_an_upcycled_dense_layer_does_not_export_as_one(tmp_p
 
 def ep2_adopted(rank: int, world_size: int) -> dict[str, list[dict]]:
     return {name: ep2_steps(rank, world_size, name)
-            for name in ("tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-v3", "tiny-nemotron-h", "tiny-llama4")}
+            for name in ("tiny-mixtral", "tiny-qwen2-moe", "tiny-deepseek-v3", "tiny-nemotron-h", "tiny-llama4",
+                         "tiny-gpt-oss")}
 
 
 def ep2_steps(rank: int, world_size: int, name: str) -> list[dict]:
@@ -441,7 +458,7 @@ def ep2_steps(rank: int, world_size: int, name: str) -> list[dict]:
 
 
 @pytest.mark.distributed
-def test_adopted_mixtral_qwen2_moe_deepseek_v3_nemotron_h_and_llama4_train_with_ep2_like_one_process():
+def test_adopted_moes_of_every_layout_train_with_ep2_like_one_process():
     for by_model in spawn(ep2_adopted, 2, timeout=300):
         for name, steps in by_model.items():
             for s in steps:

@@ -418,6 +418,22 @@ def test_an_input_weighted_glu_is_the_glu_of_the_weighted_rows_and_its_gradients
         mk.glu(h, act, None, True)
 
 
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_clamped_swiglu_is_gpt_oss_formula_with_exact_gradients_on_both_sides_of_its_clamps(weighted):
+    """gpt-oss: min(gate, 7) * sigmoid(1.702 min(gate, 7)) * (clamp(up, -7, 7) + 1), written out as its model does."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(6, 10, generator=g, dtype=F64) * 6
+    h = (h + 0.2 * (h.abs() - 7).abs().lt(0.2) * h.sign()).requires_grad_()  # no value at a clamp's kink
+    assert (h.abs() > 7).any() and (h.abs() < 7).any()
+    w = torch.rand(6, generator=g, dtype=F64, requires_grad=True) if weighted else None
+    gate, up = h[:, :5].clamp(max=7.0), h[:, 5:].clamp(-7.0, 7.0)
+    want = gate * torch.sigmoid(1.702 * gate) * (up + 1)
+    want = want if w is None else want * w[:, None]
+    torch.testing.assert_close(mk.glu(h, "clamped_swiglu", w), want)
+    inputs = (h,) if w is None else (h, w)
+    assert torch.autograd.gradcheck(lambda *a: mk.glu(a[0], "clamped_swiglu", *a[1:]), inputs)
+
+
 def _expert_rows(capacity: int):
     """(row_src, expert outputs y [N, 6], routing weights w [5, K]) of a routed toy batch, float64."""
     x, idx, w = _routed(dtype=F64)

@@ -266,7 +266,8 @@ test_grouped_mm, test_grouped_mm_many = prop(gemm_cases(), examples=[
 @st.composite
 def glu_cases(draw):
     return dict(lead=draw(st.sampled_from([(1,), (37,), (70,), (2, 3)])), F=draw(st.integers(1, 70)),
-                act=draw(st.sampled_from(["silu", "gelu", "gelu_tanh", "relu"])), weight=draw(st.booleans()),
+                act=draw(st.sampled_from(["silu", "gelu", "gelu_tanh", "relu", "clamped_swiglu"])),
+                weight=draw(st.booleans()),
                 dtype=draw(st.sampled_from(DTYPES)), seed=draw(st.integers(0, 2**16)))
 
 
@@ -282,9 +283,8 @@ def check_glu(case):
         return (out, *grads(out, inputs, case["seed"]))
     got, want = both(run)
     if dtype == torch.bfloat16 and w is not None:  # the weight's gradient is a dot over F
-        gate, up = h.detach().double().chunk(2, dim=-1)
-        magnitude = (grad_of(want[0], case["seed"]).double() * up * mk.glu_ref(torch.cat([gate, torch.ones_like(up)], -1),
-                                                                               case["act"])).abs().sum(-1)
+        terms = grad_of(want[0], case["seed"]).double() * mk.glu_ref(h.detach().double(), case["act"])
+        magnitude = terms.abs().sum(-1)
         dot_close(got[2], want[2], magnitude, "glu grad_w")
         got, want = got[:2], want[:2]
     close(got, want, dtype, "glu")
@@ -294,6 +294,20 @@ test_glu, test_glu_many = prop(glu_cases(), examples=[
     dict(lead=(70,), F=45, act="gelu", weight=True, dtype=torch.bfloat16, seed=0),
     dict(lead=(2, 3), F=1, act="relu", weight=False, dtype=torch.float32, seed=1),
 ])(check_glu)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_clamped_swiglu_kernels_match_the_reference_on_both_sides_of_the_clamps(weighted):
+    gen = torch.Generator().manual_seed(6)
+    h = (torch.randn(37, 2 * 45, generator=gen) * 6).requires_grad_()  # a third of the values past +-7
+    w = torch.rand(37, generator=gen).requires_grad_() if weighted else None
+    inputs = (h,) if w is None else (h, w)
+
+    def run():
+        out = mk.glu(h, "clamped_swiglu", w)
+        return (out, *grads(out, inputs, 6))
+    got, want = both(run)
+    close(got, want, torch.float32, "clamped_swiglu")
 
 
 def test_an_input_weighted_glu_runs_the_triton_kernels_on_the_weighted_rows():
