@@ -136,6 +136,8 @@ GROUPED_SIGMOID_ROUTERS = ("deepseek_v3", "glm4_moe")
 ROUTERS = {
     "ernie4_5_moe": {"expert_bias": True, "router_dtype": "float32"},  # softmax, its moe_statics bias, in fp32
     "llama4_text": {"score": "sigmoid", "normalize": False, "shared_experts": 1},  # and its shared expert, always
+    "hunyuan_v1_moe": {"shared_experts": 1},  # its shared_mlp, always
+    "afmoe": {"score": "sigmoid", "expert_bias": True},  # AFMoE: sigmoid scores shifted by its expert_bias
 }
 
 
@@ -151,10 +153,15 @@ def own_experts(config: Any) -> dict[str, Any]:
     """
     num = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
            or getattr(config, "n_routed_experts", None))
-    top_k = getattr(config, "num_experts_per_tok", None)
+    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "moe_topk", None)  # HunYuan: moe_topk
     if not num or not top_k:
         return {}
-    fields = {"num_experts": int(num), "top_k": int(top_k), "normalize": bool(getattr(config, "norm_topk_prob", True))}
+    if not isinstance(num, int) or not isinstance(top_k, int):
+        raise MoecompileError(f"{type(config).__name__} gives each layer its own experts ({num}) or top-k ({top_k}); "
+                              "moecompile's plan has one of each: give every layer the same")
+    fields = {"num_experts": num, "top_k": top_k, "normalize": bool(getattr(config, "norm_topk_prob", True))}
+    if getattr(config, "route_scale", None) is not None:  # AFMoE names it as the plan does
+        fields["route_scale"] = float(config.route_scale)
     if getattr(config, "shared_expert_intermediate_size", 0):  # Qwen2-MoE's gated shared expert
         fields["shared_experts"] = 1
     if all(getattr(config, f, None) is not None for f in ("n_group", "topk_group", "routed_scaling_factor")):

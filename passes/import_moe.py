@@ -62,7 +62,8 @@ aten = torch.ops.aten
 HF_NAMES = {"router": "gate.weight", "w_in": "experts.gate_up_proj", "w_out": "experts.down_proj"}
 EXPERT_INPUTS = {"experts.gate_up_proj": True, "experts.up_proj": False}  # fused experts' first GEMM -> gated
 EXPERT_BIASES = {"b_in": "experts.gate_up_proj_bias", "b_out": "experts.down_proj_bias"}  # gpt-oss's
-ROUTER_NAMES = ("gate.weight", "router.weight")  # the router's weight, by name (Granite-MoE: router.weight)
+# the router's weight, by name (Granite-MoE: router.weight, HunYuan-MoE: gate.wg.weight, AFMoE: router.gate.weight)
+ROUTER_NAMES = ("gate.weight", "router.weight", "gate.wg.weight", "router.gate.weight")
 # the shared experts moecompile's block can be: a GLU beside the routed experts, Qwen2-MoE's behind a
 # per-token sigmoid gate, DeepSeek-V3's (n_shared_experts of them fused into one wide GLU) ungated
 SHARED_LAYOUTS = (
@@ -73,6 +74,8 @@ SHARED_LAYOUTS = (
     {"up": "shared_experts.up_proj.weight", "down": "shared_experts.down_proj.weight"},  # an MLP (Nemotron-H)
     {"gate": "shared_expert.gate_proj.weight", "up": "shared_expert.up_proj.weight",  # Llama 4's, ungated
      "down": "shared_expert.down_proj.weight"},
+    {"gate": "shared_mlp.gate_proj.weight", "up": "shared_mlp.up_proj.weight",  # HunYuan-MoE's, ungated
+     "down": "shared_mlp.down_proj.weight"},
 )
 _ACTS = {aten.silu.default: "silu", aten.relu.default: "relu", aten.gelu.default: "gelu"}
 _SCORES = {aten.softmax.int: "softmax", aten._softmax.default: "softmax", aten.sigmoid.default: "sigmoid"}

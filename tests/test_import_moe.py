@@ -31,11 +31,11 @@ def hf_moe(name: str, **config):
 
 def randomise_selection_bias(model) -> None:
     """A trained-looking selection bias (it starts at zero), so that it changes the routing: DeepSeek-V3's buffer,
-    ERNIE 4.5's frozen parameter."""
+    ERNIE 4.5's and AFMoE's frozen parameters."""
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, b in [*model.named_buffers(), *model.named_parameters()]:
-            if name.endswith("e_score_correction_bias"):
+            if name.endswith(("e_score_correction_bias", "mlp.expert_bias")):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
@@ -284,6 +284,32 @@ def test_adopt_false_leaves_a_shared_expert_inside_the_models_block_alone():
     model, ids, result = converted("tiny-qwen2-moe", adopt=False)
     assert not result.record("find_ffn").data["ffns"] and not result.record("upcycle").data["layers"]
     assert "model.layers.0.mlp.shared_expert (in model.layers.0.mlp)" in result.record("find_ffn").decisions[0]
+    torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type, extra, what", [
+    ("hunyuan_v1_moe", {"moe_topk": 2}, "8 experts top-2 softmax renormalised silu GLUs + a shared expert"),
+    ("afmoe", {"num_dense_layers": 1, "route_scale": 2.5, "num_shared_experts": 1},
+     "8 experts top-2 sigmoid (biased selection) renormalised x2.5 silu GLUs + a shared expert"),
+])
+def test_routers_and_shared_experts_of_other_names_are_adopted(model_type, extra, what):
+    """HunYuan-MoE (``gate.wg``, ``shared_mlp``, ``moe_topk``) and AFMoE (``router.gate``, a selection bias beside
+    the router, ``route_scale``): only the names differ from blocks moecompile adopts."""
+    import transformers as T
+
+    try:
+        config = T.AutoConfig.for_model(
+            model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+            num_experts_per_tok=2, max_position_embeddings=64, **extra)
+    except ValueError:
+        pytest.skip(f"this transformers has no {model_type}")
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    randomise_selection_bias(model)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    result = mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
+    assert what in result.record("import_moe").decisions[-1]
     torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
 
 
