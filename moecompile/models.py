@@ -138,6 +138,8 @@ ROUTERS = {
     "llama4_text": {"score": "sigmoid", "normalize": False, "shared_experts": 1},  # and its shared expert, always
     "hunyuan_v1_moe": {"shared_experts": 1},  # its shared_mlp, always
     "afmoe": {"score": "sigmoid", "expert_bias": True},  # AFMoE: sigmoid scores shifted by its expert_bias
+    "lfm2_moe": {"score": "sigmoid"},
+    "deepseek_v2": {"router_dtype": "float32"},  # softmax scores (topk_method greedy) of an fp32 router GEMM
 }
 
 
@@ -160,11 +162,16 @@ def own_experts(config: Any) -> dict[str, Any]:
         raise MoecompileError(f"{type(config).__name__} gives each layer its own experts ({num}) or top-k ({top_k}); "
                               "moecompile's plan has one of each: give every layer the same")
     fields = {"num_experts": num, "top_k": top_k, "normalize": bool(getattr(config, "norm_topk_prob", True))}
-    if getattr(config, "route_scale", None) is not None:  # AFMoE names it as the plan does
-        fields["route_scale"] = float(config.route_scale)
+    scale = next((getattr(config, f) for f in ("routed_scaling_factor", "route_scale")  # AFMoE: route_scale
+                  if getattr(config, f, None) is not None), None)
+    if scale is not None:
+        fields["route_scale"] = float(scale)
+    if getattr(config, "use_expert_bias", False):  # LFM2-MoE's selection bias
+        fields["expert_bias"] = True
     if getattr(config, "shared_expert_intermediate_size", 0):  # Qwen2-MoE's gated shared expert
         fields["shared_experts"] = 1
-    if all(getattr(config, f, None) is not None for f in ("n_group", "topk_group", "routed_scaling_factor")):
+    greedy = getattr(config, "topk_method", None) in ("greedy", "group_limited_greedy")  # DeepSeek-V2: softmax
+    if not greedy and all(getattr(config, f, None) is not None for f in ("n_group", "topk_group", "routed_scaling_factor")):
         fields |= {"score": "sigmoid", "expert_bias": True, "router_dtype": "float32", "route_groups": int(config.n_group),
                    "route_group_top_k": int(config.topk_group), "route_scale": float(config.routed_scaling_factor)}
     # however many, one GLU of n_shared * moe_intermediate_size

@@ -240,9 +240,20 @@ def read_router(nodes: list[fx.Node], fail, weight: str) -> Router:
              "moecompile adopts those routers")
     if bias and weights is values:
         fail(f"its routing weights are the biased scores ({bias} added)", "moecompile weighs by unbiased scores")
+    weights = _past_casts(weights)  # LFM2-MoE divides the gathered scores after a type_as
     divided = next((n for n in nodes if n.target in _DIV and n.args[0] is weights), None)
     return Router(int(pick.args[1]), _SCORES[choice.target], divided is not None, bias, groups, group_k,
                   _scale_of(divided or weights), _router_dtype(nodes, weight))
+
+
+_CASTS = {aten.to.dtype, aten.type_as.default, aten._to_copy.default}
+
+
+def _past_casts(n: fx.Node) -> fx.Node:
+    """``n``, or the cast of it that its only user is, followed through every such cast."""
+    while len(n.users) == 1 and next(iter(n.users)).target in _CASTS:
+        n = next(iter(n.users))
+    return n
 
 
 def _scale_of(weights: fx.Node) -> float:

@@ -30,12 +30,12 @@ def hf_moe(name: str, **config):
 
 
 def randomise_selection_bias(model) -> None:
-    """A trained-looking selection bias (it starts at zero), so that it changes the routing: DeepSeek-V3's buffer,
-    ERNIE 4.5's and AFMoE's frozen parameters."""
+    """A trained-looking selection bias (it starts at zero), so that it changes the routing: DeepSeek-V3's and
+    LFM2-MoE's buffers, ERNIE 4.5's and AFMoE's frozen parameters."""
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, b in [*model.named_buffers(), *model.named_parameters()]:
-            if name.endswith(("e_score_correction_bias", "mlp.expert_bias")):
+            if name.endswith(("e_score_correction_bias", ".expert_bias")):
                 b.copy_(0.1 * torch.randn(b.shape, generator=g))
 
 
@@ -287,21 +287,37 @@ def test_adopt_false_leaves_a_shared_expert_inside_the_models_block_alone():
     torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
 
 
+MLA = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4)
+
+
 @pytest.mark.parametrize("model_type, extra, what", [
     ("hunyuan_v1_moe", {"moe_topk": 2}, "8 experts top-2 softmax renormalised silu GLUs + a shared expert"),
     ("afmoe", {"num_dense_layers": 1, "route_scale": 2.5, "num_shared_experts": 1},
      "8 experts top-2 sigmoid (biased selection) renormalised x2.5 silu GLUs + a shared expert"),
+    ("lfm2_moe", {"num_dense_layers": 1, "routed_scaling_factor": 2.5, "layer_types": ["conv", "full_attention"]},
+     "8 experts top-2 sigmoid (biased selection) renormalised x2.5 silu GLUs (dropless"),
+    ("deepseek_v2", {"n_routed_experts": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
+                     "routed_scaling_factor": 2.5, **MLA},
+     "8 experts top-2 softmax unnormalised x2.5 silu GLUs + a shared expert"),
+    ("dots1", {"n_routed_experts": 8, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1},
+     "8 experts top-2 sigmoid (biased selection) unnormalised silu GLUs + a shared expert"),
+    ("qwen3_next", {"shared_expert_intermediate_size": 16, "layer_types": ["linear_attention", "full_attention"],
+                    "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
+                    "linear_value_head_dim": 8},
+     "8 experts top-2 softmax renormalised silu GLUs + a gated shared expert"),
 ])
-def test_routers_and_shared_experts_of_other_names_are_adopted(model_type, extra, what):
-    """HunYuan-MoE (``gate.wg``, ``shared_mlp``, ``moe_topk``) and AFMoE (``router.gate``, a selection bias beside
-    the router, ``route_scale``): only the names differ from blocks moecompile adopts."""
+def test_more_families_adopt_with_the_routers_their_configs_describe(model_type, extra, what):
+    """Blocks moecompile adopts under other names or beside other layers: HunYuan-MoE (``gate.wg``, ``shared_mlp``,
+    ``moe_topk``), AFMoE (``router.gate``, its ``expert_bias``, ``route_scale``), LFM2-MoE (short-conv layers, a
+    selection bias, weights renormalised after a cast), DeepSeek-V2 (``topk_method: greedy``: softmax, fp32, scaled),
+    dots.llm1 (DeepSeek-V3's router) and Qwen3-Next (Gated DeltaNet layers, Qwen2-MoE's block)."""
     import transformers as T
 
+    small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                 max_position_embeddings=64)
     try:
-        config = T.AutoConfig.for_model(
-            model_type, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
-            num_experts_per_tok=2, max_position_embeddings=64, **extra)
+        config = T.AutoConfig.for_model(model_type, **{**small, **extra})
     except ValueError:
         pytest.skip(f"this transformers has no {model_type}")
     torch.manual_seed(0)
@@ -311,6 +327,20 @@ def test_routers_and_shared_experts_of_other_names_are_adopted(model_type, extra
     result = mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
     assert what in result.record("import_moe").decisions[-1]
     torch.testing.assert_close(result.module(ids).logits, model(ids, use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_deepseek_v2_group_limited_greedy_routing_is_a_named_error():
+    """DeepSeek-V2 scores a group by its best expert, DeepSeek-V3 by its top two: only V3's is moecompile's."""
+    import transformers as T
+
+    config = T.AutoConfig.for_model(
+        "deepseek_v2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, head_dim=8, n_routed_experts=8, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=4, topk_group=2, **MLA)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with pytest.raises(PassError, match="masks the scores otherwise than by groups scored by their top-2"):
+        mc.convert(model, {"experts": own_experts(model.config)}, (ids,))
 
 
 def test_olmoe_is_adopted_too():
