@@ -9,7 +9,7 @@ Hugging Face's MoE layers (transformers 5) keep their experts fused, in moecompi
     <layer>.experts.up_proj          [E, F, H]    instead of gate_up_proj: plain MLP experts (Nemotron-H, ReLU²)
 
 or transposed, [E, H, 2F] / [E, F, H] (Llama 4's, read by ``bmm``), which the adopted block holds in its layout;
-gpt-oss's alternate gate and up columns (read by step-2 slices) and have biases (``experts.gate_up_proj_bias``,
+gpt-oss's also alternate gate and up columns (read by step-2 slices) and have biases (``experts.gate_up_proj_bias``,
 ``experts.down_proj_bias``), and its router GEMM has one (``router.bias``).
 
 Each such block is replaced by moecompile's (the one ``upcycle`` builds), holding the same
@@ -277,7 +277,8 @@ def _score_of_top_logits(pick: fx.Node, choice: fx.Node, weight: str) -> fx.Node
     if softmax is not None:
         return softmax
     scattered = next((u for u in values.users if u.target in (aten.scatter.src, aten.scatter_.src)), None)
-    if scattered is None or scattered.args[0].target is not aten.full_like.default or scattered.args[0].args[1] != -math.inf:
+    filled = scattered.args[0] if scattered is not None else None
+    if filled is None or filled.target is not aten.full_like.default or filled.args[1] != -math.inf:
         return None
     cast = next(iter(scattered.users), None)
     while cast is not None and cast.target is aten.to.dtype:
@@ -352,8 +353,8 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
     router = read_router(nodes, fail, params["router"])
     extra = sorted(attrs - set(params.values()) - set(shared.values()) - {router.bias})
     if extra:
-        fail(f"it reads {', '.join(extra)} beside the router, its selection bias, the experts and a shared GLU "
-             "(expert biases, another shared expert, a bias used elsewhere than in the selection)",
+        fail(f"it reads {', '.join(extra)} beside the router, its selection bias, the experts and a shared expert "
+             "(another shared expert, a bias used elsewhere than in the selection)",
              "moecompile adopts blocks of a router, fused experts and at most one shared expert of their kind")
     tensors = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes
                                  if a not in inside and a.op != "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)))
@@ -392,7 +393,6 @@ def read_block(gm: fx.GraphModule, layer: str) -> ExistingBlock:
         fail("sizes it computes from its weights are used outside it", "moecompile adopts self-contained blocks")
     return ExistingBlock(layer, kind, [n for n in nodes if n not in shapes], tensors[0], outs[0], params, shared,
                          int(w_in.shape[0]), router, act, glu, transposed, interleaved, weights_input)
-
 
 
 def _expert_act(nodes: list[fx.Node]) -> str | None:

@@ -305,12 +305,16 @@ MLA = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_d
                     "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
                     "linear_value_head_dim": 8},
      "8 experts top-2 softmax renormalised silu GLUs + a gated shared expert"),
+    ("minimax", {}, "8 experts top-2 softmax renormalised silu GLUs (dropless"),
+    ("flex_olmo", {"pad_token_id": 0, "bos_token_id": 0, "eos_token_id": 0},
+     "8 experts top-2 softmax unnormalised silu GLUs (dropless"),
 ])
 def test_more_families_adopt_with_the_routers_their_configs_describe(model_type, extra, what):
     """Blocks moecompile adopts under other names or beside other layers: HunYuan-MoE (``gate.wg``, ``shared_mlp``,
     ``moe_topk``), AFMoE (``router.gate``, its ``expert_bias``, ``route_scale``), LFM2-MoE (short-conv layers, a
     selection bias, weights renormalised after a cast), DeepSeek-V2 (``topk_method: greedy``: softmax, fp32, scaled),
-    dots.llm1 (DeepSeek-V3's router) and Qwen3-Next (Gated DeltaNet layers, Qwen2-MoE's block)."""
+    dots.llm1 (DeepSeek-V3's router), Qwen3-Next (Gated DeltaNet layers, Qwen2-MoE's block), MiniMax (lightning
+    attention layers) and FlexOlmo: the oracle is each model's own logits."""
     import transformers as T
 
     small = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
