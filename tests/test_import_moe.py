@@ -72,6 +72,21 @@ def adopted_grad(names: dict, hf_name: str) -> torch.Tensor:
     return names[hf_name].grad
 
 
+def assert_hf_logits_and_gradients(model, result, ids, grad_of) -> None:
+    """The HF model's logits, and each of its parameters' gradients, which ``grad_of(names, hf_name)`` reads from
+    moecompile's; nothing left behind, nothing doubled (a shared GLU's gate_proj and up_proj are one tensor)."""
+    names = dict(result.module.named_parameters())
+    got, want = result.module(ids).logits, model(ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    lm_loss(got, ids).backward()
+    lm_loss(want, ids).backward()
+    for hf_name, p in model.named_parameters():
+        torch.testing.assert_close(grad_of(names, hf_name), p.grad, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m, n=hf_name: f"{n}: {m}")
+    fused = sum(".shared_experts.w_gate_up" in n for n in names)
+    assert len(names) == len(dict(model.named_parameters())) - fused
+
+
 @pytest.mark.parametrize("name", ["tiny-mixtral", "tiny-qwen3-moe", "tiny-qwen2-moe", "tiny-deepseek-v3"])
 def test_adopted_model_gives_the_hf_logits_and_gradients(name):
     model, ids, result = converted(name)
@@ -81,17 +96,7 @@ def test_adopted_model_gives_the_hf_logits_and_gradients(name):
     assert not result.record("upcycle").data["layers"]  # a dense layer 0 stays dense
     names = dict(result.module.named_parameters())
     assert "model.layers.1.mlp.experts.w_gate_up" in names and "model.layers.1.mlp.experts.gate_up_proj" not in names
-
-    got = result.module(ids).logits
-    want = model(ids, use_cache=False).logits
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    lm_loss(got, ids).backward()
-    lm_loss(want, ids).backward()
-    for hf_name, p in model.named_parameters():
-        torch.testing.assert_close(adopted_grad(names, hf_name), p.grad, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, n=hf_name: f"{n}: {m}")
-    fused = sum(".shared_experts.w_gate_up" in n for n in names)  # each shared gate_proj and up_proj are one tensor
-    assert len(names) == len(dict(model.named_parameters())) - fused  # nothing left behind, nothing doubled
+    assert_hf_logits_and_gradients(model, result, ids, adopted_grad)
     if name == "tiny-deepseek-v3":  # the selection bias came along, as a buffer the train step updates
         bias = dict(result.module.named_buffers())["model.layers.1.mlp.router.expert_bias"]
         assert torch.equal(bias, model.model.layers[1].mlp.gate.e_score_correction_bias)
@@ -257,16 +262,7 @@ def test_blocks_of_other_layouts_are_adopted_and_give_the_hf_logits_and_gradient
     assert result.record("import_moe").data["layers"] == layers
     assert what in result.record("import_moe").decisions[0]
     assert not any("in model" in d for d in result.record("find_ffn").decisions)
-    names = dict(result.module.named_parameters())
-    got, want = result.module(ids).logits, model(ids, use_cache=False).logits
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    lm_loss(got, ids).backward()
-    lm_loss(want, ids).backward()
-    for hf_name, p in model.named_parameters():
-        torch.testing.assert_close(grad_in_hf_layout(names, hf_name), p.grad, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, n=hf_name: f"{n}: {m}")
-    fused = sum(".shared_experts.w_gate_up" in n for n in names)
-    assert len(names) == len(dict(model.named_parameters())) - fused
+    assert_hf_logits_and_gradients(model, result, ids, grad_in_hf_layout)
 
 
 @pytest.mark.parametrize("name, place, match", [
