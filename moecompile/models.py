@@ -149,9 +149,10 @@ def own_experts(config: Any) -> dict[str, Any]:
     Those layers are adopted as they are (pass ``import_moe``), so the plan must say what they are. Read from the
     config's fields, by what they are rather than by model type: a config with DeepSeek-V3's router fields
     (``n_group``, ``topk_group``, ``routed_scaling_factor``) has its router, sigmoid scores with a selection bias
-    (DeepSeek-V3, GLM-4.5, Solar Open, EXAONE MoE, MiMo-V2-Flash...); ``ROUTERS`` adds what no field says
-    (ERNIE 4.5's selection bias). ``import_moe`` reads the blocks from the traced graph and names any field these
-    get wrong.
+    (DeepSeek-V3, GLM-4.5, Solar Open, EXAONE MoE, MiMo-V2-Flash...) unless ``topk_method`` says greedy (DeepSeek-V2's
+    softmax); ``moe_topk``, ``routed_scaling_factor`` / ``route_scale`` and ``use_expert_bias`` mean what they say
+    wherever they appear; ``ROUTERS`` adds what no field says (ERNIE 4.5's selection bias, Llama 4's sigmoid).
+    ``import_moe`` reads the blocks from the traced graph and names any field these get wrong.
     """
     num = (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
            or getattr(config, "n_routed_experts", None))
@@ -173,12 +174,11 @@ def own_experts(config: Any) -> dict[str, Any]:
     greedy = getattr(config, "topk_method", None) in ("greedy", "group_limited_greedy")  # DeepSeek-V2: softmax
     if not greedy and all(getattr(config, f, None) is not None for f in ("n_group", "topk_group", "routed_scaling_factor")):
         fields |= {"score": "sigmoid", "expert_bias": True, "router_dtype": "float32", "route_groups": int(config.n_group),
-                   "route_group_top_k": int(config.topk_group), "route_scale": float(config.routed_scaling_factor)}
+                   "route_group_top_k": int(config.topk_group)}
     # however many, one GLU of n_shared * moe_intermediate_size
     if any(getattr(config, f, None) for f in ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")):
         fields["shared_experts"] = 1
     return fields | ROUTERS.get(getattr(config, "model_type", None), {})
-
 
 
 def list_models() -> list[tuple[str, str]]:

@@ -50,11 +50,11 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from moecompile.errors import MoecompileError, PlanError
 from moecompile.graph import ancestors_within, clean_path, delete_unused_attrs, get_attr_value, module_chain
-from moecompile.kernels.glu import SWIGLU_ALPHA, SWIGLU_LIMIT
+from moecompile.kernels.glu import ACTS as GLU_ACTS, SWIGLU_ALPHA, SWIGLU_LIMIT
 from moecompile.pass_manager import PassContext, register_pass
 from moecompile.plan import ExpertsConfig
 
-from .upcycle import GLU_ACTS, MLP_ACTS, insert_block, moe_block, register_block, weights_at
+from .upcycle import MLP_ACTS, insert_block, moe_block, register_block, weights_at
 
 aten = torch.ops.aten
 

@@ -39,7 +39,6 @@ from torch.fx.traceback import annotate
 
 import moecompile.kernels  # noqa: F401  (registers torch.ops.moecompile.*)
 from moecompile.kernels import row_weights
-from moecompile.kernels.glu import ACTS as GLU_ACTS
 from moecompile.distributed import ALL_REDUCE, wait_tensor
 from moecompile.errors import PlanError
 from moecompile.graph import add_parameter, clean_path, delete_unused_attrs, get_attr_value, inline, trace_block
@@ -122,7 +121,7 @@ _PARAM_NAMES = {
     False: {"w_in": "experts.w_up", "w_out": "experts.w_down", "b_in": "experts.b_up", "b_out": "experts.b_down"},
 }
 MLP_ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu,
-        "relu2": lambda h: F.relu(h).square()}
+            "relu2": lambda h: F.relu(h).square()}  # a plain MLP's activation by find_ffn's name
 
 
 def register_block(gm: fx.GraphModule, layer: str, tensors: dict[str, torch.Tensor], glu: bool,
